@@ -1,0 +1,1 @@
+"""Matrix multiplication: the reference and the tiled Triton kernels."""

@@ -1,0 +1,213 @@
+"""The course's one comparator, its tolerance table, and NaN canaries.
+
+Every check in the course goes through :func:`assert_close`. It has two modes:
+
+* **elementwise** (default): ``|actual - expected| <= atol + rtol * |expected|`` everywhere, with
+  ``(rtol, atol)`` looked up by dtype in :data:`TOLERANCES`;
+* **baseline** (``baseline=``): the kernel's worst error against the fp32 reference may be at most
+  ``factor`` times PyTorch's own worst error in the same low dtype, plus a rounding floor. This is
+  the rule the FlashAttention tests use for attention and reductions, where a fixed atol is either
+  too loose for small problems or too strict for large ones.
+
+Either way a failure says how many elements differ, where the worst one is, the first few
+mismatches, and where NaN or inf appear in one tensor but not the other.
+
+The interpreter does not catch out-of-bounds loads (they read whatever host memory is there), so
+:func:`nan_canary` places an input inside a larger NaN-filled buffer: a load that strays past the
+edge reads NaN, and the NaN shows up in the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+# One table for the whole course, keyed by the dtype of the tensor under test.
+# rtol is about two units of roundoff of that dtype (fp16: 2**-11 = 4.9e-4; bf16: 2**-8 = 3.9e-3;
+# e4m3: 2**-4; e5m2: 2**-3); atol covers values that round to or near zero.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(rtol=1e-7, atol=1e-9),
+    torch.float32: Tolerance(rtol=1e-5, atol=1e-6),
+    torch.float16: Tolerance(rtol=1e-3, atol=1e-5),
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-5),
+    torch.float8_e4m3fn: Tolerance(rtol=1.25e-1, atol=1e-3),
+    torch.float8_e5m2: Tolerance(rtol=2.5e-1, atol=1e-3),
+}
+
+_FIRST_MISMATCHES = 5
+
+
+class MismatchError(AssertionError):
+    """Raised by :func:`assert_close`; the message is the full report."""
+
+
+def tolerance(dtype: torch.dtype) -> Tolerance:
+    """The table's entry for ``dtype``; integer and bool dtypes compare exactly."""
+    if dtype in TOLERANCES:
+        return TOLERANCES[dtype]
+    if not dtype.is_floating_point:
+        return Tolerance(rtol=0.0, atol=0.0)
+    raise KeyError(f"no tolerance for {dtype}; add it to kernels.testing.TOLERANCES")
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    baseline: torch.Tensor | None = None,
+    factor: float = 2.0,
+    name: str = "result",
+) -> None:
+    """Check ``actual`` against the reference ``expected``; raise :class:`MismatchError` with a report.
+
+    ``dtype`` selects the tolerance (default: ``actual.dtype``). NaN and inf must appear at the same
+    places, with the same sign for inf. With ``baseline`` (PyTorch's own result in the low dtype),
+    the check is ``max|actual - expected| <= factor * max|baseline - expected| + floor`` where the
+    floor is one unit of roundoff of ``dtype`` at the largest ``|expected|`` plus its atol.
+    """
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        raise TypeError(f"{name}: expected two tensors, got {type(actual).__name__} and {type(expected).__name__}")
+    if actual.shape != expected.shape:
+        raise MismatchError(f"{name}: shape {tuple(actual.shape)} differs from the reference's {tuple(expected.shape)}")
+    dtype = dtype or actual.dtype
+    tol = tolerance(dtype)
+    wide = torch.float64
+    a = actual.detach().to("cpu", wide)
+    e = expected.detach().to("cpu", wide)
+
+    special = _special_value_report(a, e)
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    diff = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
+
+    if baseline is not None:
+        if baseline.shape != expected.shape:
+            raise ValueError(f"{name}: baseline shape {tuple(baseline.shape)} differs from {tuple(expected.shape)}")
+        b = baseline.detach().to("cpu", wide)
+        b_finite = torch.isfinite(b) & torch.isfinite(e)
+        err_base = float(torch.where(b_finite, (b - e).abs(), torch.zeros_like(b)).max()) if b.numel() else 0.0
+        scale = float(e[torch.isfinite(e)].abs().max()) if torch.isfinite(e).any() else 0.0
+        floor = _unit_roundoff(dtype) * scale + tol.atol
+        allowed = torch.full_like(e, factor * err_base + floor)
+        rule = f"baseline rule: error <= {factor:g} x PyTorch's own error {err_base:.3g} + floor {floor:.3g}"
+    else:
+        allowed = tol.atol + tol.rtol * e.abs()
+        rule = f"rtol={tol.rtol:g}, atol={tol.atol:g}"
+
+    bad = finite & (diff > allowed)
+    n_bad = int(bad.sum())
+    if n_bad == 0 and not special:
+        return
+    lines = [f"{name}: {n_bad} of {e.numel()} elements differ ({str(dtype).removeprefix('torch.')}, {rule})"]
+    if n_bad:
+        excess = torch.where(bad, diff - allowed, torch.full_like(diff, -1.0))
+        worst = _unravel(int(excess.argmax()), e.shape)
+        lines.append(
+            f"  worst at index {worst}: got {a[worst].item():.6g}, expected {e[worst].item():.6g}, "
+            f"|diff| {diff[worst].item():.3g} (allowed {allowed[worst].item():.3g})"
+        )
+        first = bad.flatten().nonzero().flatten()[:_FIRST_MISMATCHES].tolist()
+        shown = ", ".join(
+            f"{_unravel(i, e.shape)}: {a.flatten()[i].item():.6g} vs {e.flatten()[i].item():.6g}" for i in first
+        )
+        lines.append(f"  first mismatches (got vs expected): {shown}")
+    lines.extend(special)
+    raise MismatchError("\n".join(lines))
+
+
+def _special_value_report(a: torch.Tensor, e: torch.Tensor) -> list[str]:
+    """Lines describing NaN/inf that appear in one tensor and not at the same place in the other."""
+    lines = []
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    extra_nan = nan_a & ~nan_e
+    missed_nan = nan_e & ~nan_a
+    if extra_nan.any() or missed_nan.any():
+        where = _unravel(int((extra_nan | missed_nan).flatten().nonzero()[0]), e.shape)
+        lines.append(
+            f"  NaN: {int(extra_nan.sum())} where the reference is not NaN, {int(missed_nan.sum())} NaN of the "
+            f"reference missing (first at {where})"
+        )
+    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
+    inf_disagree = (inf_a | inf_e) & ~(nan_a | nan_e) & ~(inf_a & inf_e & (torch.sign(a) == torch.sign(e)))
+    if inf_disagree.any():
+        where = _unravel(int(inf_disagree.flatten().nonzero()[0]), e.shape)
+        lines.append(
+            f"  inf: {int(inf_disagree.sum())} places where inf differs (first at {where}: got "
+            f"{a[where].item()}, expected {e[where].item()})"
+        )
+    return lines
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+
+
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |actual - expected|`` in float64 over the places where both are finite."""
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    return float((a - e).abs()[finite].max()) if finite.any() else 0.0
+
+
+def nan_canary(x: torch.Tensor, pad: int = 64, *, rows: bool = False) -> torch.Tensor:
+    """Return a view of a copy of ``x`` that sits inside a larger buffer filled with NaN.
+
+    ``rows=False``: a contiguous view with ``pad`` NaN elements before and after it, which catches
+    loads past the start or end of the whole tensor (an unmasked tail block).
+    ``rows=True``: every row (last dimension) gets ``pad`` NaN elements on each side, so the view
+    has a row stride larger than its row length; this catches a kernel that reads past the end of
+    a row. Only kernels that honour the row stride can take such an input.
+    Integer tensors are padded with the dtype's minimum instead of NaN.
+    """
+    if pad < 1:
+        raise ValueError(f"pad must be at least 1, got {pad}")
+    fill = float("nan") if x.dtype.is_floating_point else torch.iinfo(x.dtype).min
+    if rows:
+        if x.dim() == 0:
+            raise ValueError("rows=True needs a tensor with at least one dimension")
+        n = x.shape[-1]
+        buf = torch.full((*x.shape[:-1], n + 2 * pad), fill, dtype=x.dtype, device=x.device)
+        view = buf[..., pad : pad + n]
+    else:
+        buf = torch.full((x.numel() + 2 * pad,), fill, dtype=x.dtype, device=x.device)
+        view = buf[pad : pad + x.numel()].view(x.shape)
+    view.copy_(x)
+    return view.requires_grad_(x.requires_grad)
+
+
+def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.dtype | None = None) -> int:
+    """Compare ``fn(*case)`` with ``reference(*case)`` for every case; the labs' check.
+
+    Each case is a tuple of arguments. The first case whose result differs raises
+    :class:`MismatchError` whose report names the case (its input shapes) and the first mismatching
+    elements. Returns the number of cases checked, so a check cell can print it.
+    """
+    label = name or getattr(fn, "__name__", "function")
+    for i, case in enumerate(cases):
+        args = case if isinstance(case, tuple) else (case,)
+        shapes = ", ".join(str(tuple(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+        got = fn(*args)
+        want = reference(*args)
+        try:
+            assert_close(got, want, dtype=dtype, name=f"{label} on case {i} (inputs {shapes})")
+        except MismatchError:
+            raise
+        except Exception as err:
+            raise MismatchError(f"{label} on case {i} (inputs {shapes}): {err}") from err
+    return len(cases)

@@ -1,0 +1,1 @@
+"""The course's own tooling: executing notebooks, solving labs, reading the syllabus."""

@@ -1,0 +1,65 @@
+"""Execute the course's notebooks in place and read their metadata.
+
+``python -m tools.notebooks execute book`` (``make execute``) re-runs every book notebook top to
+bottom in the current environment and stores the outputs, which is what the book renders and what
+nbval later compares against. Each notebook runs in its own folder, on one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600
+
+
+def book_notebooks(root: Path = ROOT) -> list[Path]:
+    return sorted(p for p in (root / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+def execute(path: Path, *, kernel_name: str = "python3") -> float:
+    """Run ``path`` top to bottom and write its outputs back; returns the seconds it took."""
+    nb = nbformat.read(path, as_version=4)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    start = time.perf_counter()
+    try:
+        client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name=kernel_name,
+                                resources={"metadata": {"path": str(path.parent)}})
+        client.execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    seconds = time.perf_counter() - start
+    nbformat.write(nb, path)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.notebooks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("execute", help="execute notebooks in place")
+    ex.add_argument("paths", nargs="+", type=Path, help="notebooks, or folders to search for them")
+    args = parser.parse_args(argv)
+    targets: list[Path] = []
+    for p in args.paths:
+        targets.extend(sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])
+    targets = [t for t in targets if ".ipynb_checkpoints" not in t.parts]
+    for t in targets:
+        print(f"executing {t} ...", flush=True)
+        print(f"  {execute(t):.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
