@@ -1,0 +1,256 @@
+"""Gated MLPs: the GLU family's fused elementwise kernels, and the LLaMA MLP.
+
+A gated linear unit multiplies an activated *gate* projection by a linear *up* projection
+(Dauphin et al., 2017; Shazeer, 2020):
+
+    h = act(x W_gate^T) * (x W_up^T),       y = h W_down^T
+
+    SwiGLU: act = SiLU (Swish-1):  silu(g) = g * sigmoid(g)
+    GeGLU:  act = GELU:            gelu(g) = g * Phi(g)         (exact, through erf)
+                                   or g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3)
+                                   (the tanh approximation: 0.5 (1 + tanh u) = sigmoid(2u))
+    ReGLU:  act = ReLU:            relu(g) = max(g, 0)
+
+The kernels here fuse the elementwise middle, ``h = act(gate) * up``: they read gate and up once
+and write h once (3 tensors of traffic instead of the 5 that a separate activation and multiply
+move), and the backward recomputes act(gate) instead of storing it:
+
+    d up   = dh * act(gate)
+    d gate = dh * up * act'(gate)
+
+The matrix products stay in PyTorch (``llama_mlp_ref``, :class:`LlamaMLP`); the GEMM chapters
+cover them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import runtime
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_TANH_C = 0.044715
+
+
+# ----------------------------------------------------------------------------------------------
+# References (PyTorch)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32 (float64 kept), returned wide."""
+    return F.silu(_wide(gate)) * _wide(up)
+
+
+def geglu_ref(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(gate) * up in fp32 (float64 kept), returned wide; ``approximate`` as in F.gelu."""
+    return F.gelu(_wide(gate), approximate=approximate) * _wide(up)
+
+
+def reglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """relu(gate) * up in fp32 (float64 kept), returned wide."""
+    return F.relu(_wide(gate)) * _wide(up)
+
+
+def llama_mlp_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The LLaMA feed-forward block: ``(silu(x W_gate^T) * (x W_up^T)) W_down^T``.
+
+    Weights are laid out as ``nn.Linear`` stores them: w_gate and w_up are (hidden, d), w_down is
+    (d, hidden). Computed in fp32 from the same inputs (float64 kept), returned wide.
+    """
+    x, w_gate, w_up, w_down = (_wide(t) for t in (x, w_gate, w_up, w_down))
+    return (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+
+def llama_hidden_size(d_model: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None) -> int:
+    """The hidden width LLaMA's code picks: two thirds of 4d, times an optional multiplier, rounded up
+    to ``multiple_of``. Three d x h matrices at h = 8d/3 hold as many parameters as the two
+    d x 4d matrices of a plain MLP (3 * 8/3 = 2 * 4 = 8 d^2). LLaMA-7B: d = 4096 gives 11008."""
+    hidden = int(2 * (4 * d_model) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def mlp_parameters(d_model: int, hidden: int, *, gated: bool, bias: bool = False) -> int:
+    """Weights (and biases) of a feed-forward block: 2 matrices (up, down) or 3 when gated."""
+    matrices = 3 if gated else 2
+    biases = ((2 if gated else 1) * hidden + d_model) if bias else 0
+    return matrices * d_model * hidden + biases
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def _act_and_grad(g, ACTIVATION: tl.constexpr):
+    """(act(g), act'(g)) for one activation, in fp32."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        a = g * s                                         # silu(g) = g sigmoid(g)
+        da = s * (1.0 + g * (1.0 - s))                    # sigmoid(g) (1 + g (1 - sigmoid(g)))
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))   # Phi(g)
+        pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327           # phi(g) = exp(-g^2/2) / sqrt(2 pi)
+        a = g * cdf                                       # gelu(g) = g Phi(g)
+        da = cdf + g * pdf
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)       # sqrt(2/pi) (g + 0.044715 g^3)
+        s = tl.sigmoid(2.0 * u)                           # = 0.5 (1 + tanh u): no libdevice tanh needed
+        a = g * s
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        da = s + g * 2.0 * s * (1.0 - s) * du             # d/dg sigmoid(2u) = 2 s (1 - s) u'
+    else:  # relu
+        a = tl.maximum(g, 0.0)
+        da = tl.where(g > 0.0, 1.0, 0.0)                  # 0 at g = 0, as torch's relu backward
+    return a, da
+
+
+@triton.jit
+def _act(g, ACTIVATION: tl.constexpr):
+    """act(g) alone (the forward needs no derivative)."""
+    if ACTIVATION == "silu":
+        a = g * tl.sigmoid(g)
+    elif ACTIVATION == "gelu":
+        a = g * 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))  # 2 sqrt(2/pi) = 1.5958
+    else:
+        a = tl.maximum(g, 0.0)
+    return a
+
+
+@triton.jit
+def _glu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    """h = act(gate) * up over n elements, BLOCK per program: 2 reads and 1 write per element."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _act(g, ACTIVATION) * u
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    """d up = dh act(gate), d gate = dh up act'(gate): 3 reads and 2 writes per element, act recomputed."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACTIVATION)
+    tl.store(dup_ptr + offs, (dh * a).to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + offs, (dh * u * da).to(dgate_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _default_block() -> int:
+    # GPU: 1024 elements per program (4 warps, 8 per thread). Interpreter: bigger blocks, fewer programs.
+    return 1024 if runtime.runtime().on_gpu else 8192
+
+
+def _check(fn: str, gate, up) -> None:
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+        if t.device.type != runtime.device().type:
+            raise ValueError(f"{fn}: {name} is on {t.device}, kernels run on {runtime.device()} here")
+    if gate.shape != up.shape:
+        raise ValueError(f"{fn}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype != up.dtype:
+        raise TypeError(f"{fn}: gate and up must share a dtype, got {gate.dtype} and {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(f"{fn}: gate is on {gate.device} but up is on {up.device}")
+
+
+class _GLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation, block):
+        g, u = gate.contiguous(), up.contiguous()      # a view with other strides is copied first
+        h = torch.empty_like(g, memory_format=torch.contiguous_format)
+        n = g.numel()
+        if n:
+            _glu_fwd_kernel[(triton.cdiv(n, block),)](g, u, h, n, ACTIVATION=activation, BLOCK=block)
+        ctx.save_for_backward(g, u)
+        ctx.activation, ctx.block = activation, block
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        g, u = ctx.saved_tensors
+        dh = dh.to(g.dtype).contiguous()
+        dgate, dup = torch.empty_like(g), torch.empty_like(u)
+        n = g.numel()
+        if n:
+            _glu_bwd_kernel[(triton.cdiv(n, ctx.block),)](
+                g, u, dh, dgate, dup, n, ACTIVATION=ctx.activation, BLOCK=ctx.block
+            )
+        return dgate, dup, None, None
+
+
+def _glu(fn: str, gate, up, activation: str, block_size: int | None) -> torch.Tensor:
+    _check(fn, gate, up)
+    block = block_size or _default_block()
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{fn}: block_size must be a power of two >= 16, got {block}")
+    return _GLU.apply(gate, up, activation, block)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, block_size: int | None = None) -> torch.Tensor:
+    """``silu(gate) * up``, fused, in Triton; differentiable. Same-shape fp16/bf16/fp32 inputs;
+    fp32 arithmetic; the result has the inputs' dtype and shape (contiguous)."""
+    return _glu("swiglu", gate, up, "silu", block_size)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none", *, block_size: int | None = None) -> torch.Tensor:
+    """``gelu(gate, approximate) * up``, fused, in Triton; differentiable.
+
+    ``approximate="none"``: the exact GELU, g Phi(g) through erf; ``"tanh"``: the tanh
+    approximation of Hendrycks and Gimpel, computed as g sigmoid(2u) (equal to 0.5 g (1 + tanh u)).
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _glu("geglu", gate, up, "gelu" if approximate == "none" else "gelu_tanh", block_size)
+
+
+def reglu(gate: torch.Tensor, up: torch.Tensor, *, block_size: int | None = None) -> torch.Tensor:
+    """``relu(gate) * up``, fused, in Triton; differentiable (the gradient at gate = 0 is 0, as torch's)."""
+    return _glu("reglu", gate, up, "relu", block_size)
+
+
+class LlamaMLP(torch.nn.Module):
+    """LLaMA's feed-forward block, ``down(swiglu(gate(x), up(x)))``, with the fused Triton SwiGLU.
+
+    ``hidden`` defaults to :func:`llama_hidden_size` (the 2/3 rule). No biases, as in LLaMA.
+    """
+
+    def __init__(self, d_model: int, hidden: int | None = None, *, multiple_of: int = 256,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.d_model = d_model
+        self.hidden = hidden if hidden is not None else llama_hidden_size(d_model, multiple_of)
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = torch.nn.Linear(d_model, self.hidden, **kw)
+        self.up_proj = torch.nn.Linear(d_model, self.hidden, **kw)
+        self.down_proj = torch.nn.Linear(self.hidden, d_model, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"LlamaMLP: x must end in d_model={self.d_model} features, got shape {tuple(x.shape)}")
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,166 @@
+"""LayerNorm over the last dimension: the reference, and a fused Triton forward and backward.
+
+For one row x of n features (Ba, Kiros and Hinton, 2016):
+
+    mu = (1/n) sum_j x_j,   var = (1/n) sum_j (x_j - mu)^2,   rstd = 1 / sqrt(var + eps)
+    xhat_j = (x_j - mu) * rstd,   y_j = w_j * xhat_j + b_j
+
+The statistics are per row (per token), over the feature axis, so a token's output never depends
+on other tokens in the batch, in training and at inference alike. Backward, with gw = g * w:
+
+    dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat))     (means over the row)
+    dw = sum over rows of g * xhat,    db = sum over rows of g
+
+(the derivation is in the norms chapter). Semantics are those of
+``torch.nn.functional.layer_norm(x, (n,), weight, bias, eps)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.norms.common import (
+    as_rows, backward_programs, block_sizes, check_norm_inputs, sum_partials, wide,
+)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   eps: float = 1e-5) -> torch.Tensor:
+    """The reference, written out: fp32 from the same inputs (float64 kept), returned wide."""
+    xw = wide(x)
+    mu = xw.mean(dim=-1, keepdim=True)                       # (..., 1)
+    var = ((xw - mu) ** 2).mean(dim=-1, keepdim=True)        # biased: divide by n
+    y = (xw - mu) * torch.rsqrt(var + eps)                   # xhat
+    if weight is not None:
+        y = y * wide(weight)
+    if bias is not None:
+        y = y + wide(bias)
+    return y
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
+    n_rows, n, stride_x, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BLOCK_R,)
+    cols = tl.arange(0, BLOCK_N)                                          # (BLOCK_N,) covers the row
+    row_ok = rows < n_rows
+    col_ok = cols < n
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n                                          # mu, (BLOCK_R,)
+    xc = tl.where(mask, x - mean[:, None], 0.0)                           # x - mu, pads kept at 0
+    var = tl.sum(xc * xc, axis=1) / n                                     # biased variance
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = xc * rstd[:, None]                                                # xhat
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)                          # saved for the backward
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    n_rows, n, stride_x, stride_g, stride_dx, n_tiles,
+    HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)                    # running sum of g * xhat
+    db_acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)                    # running sum of g
+    for tile in range(pid, n_tiles, n_prog):                              # this program's row tiles
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            gw = g * w[None, :]                                           # dL/dxhat
+        else:
+            gw = g
+        c1 = tl.sum(gw * xhat, axis=1) / n                                # mean(gw * xhat)
+        c2 = tl.sum(gw, axis=1) / n                                       # mean(gw)
+        dx = (gw - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            dw_acc += g * xhat
+        if NEED_DB:
+            db_acc += g
+    if NEED_DW:
+        tl.store(dw_part_ptr + pid * n + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    if NEED_DB:
+        tl.store(db_part_ptr + pid * n + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        n = x.shape[-1]
+        x2 = as_rows(x)
+        n_rows = x2.shape[0]
+        y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block_r, block_n = block_sizes(n_rows, n)
+        if n_rows:
+            _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+                x2, weight if weight is not None else x2, bias if bias is not None else x2, y2, mean, rstd,
+                n_rows, n, x2.stride(0), y2.stride(0), eps,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+            )
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        return y2.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        n_rows, n = x2.shape
+        g2 = as_rows(g.to(x2.dtype))
+        block_r, block_n = block_sizes(n_rows, n)
+        n_tiles = triton.cdiv(n_rows, block_r)
+        n_prog = backward_programs(n_tiles)
+        need_dw = weight is not None and ctx.needs_input_grad[1]
+        need_db = ctx.has_bias and ctx.needs_input_grad[2]
+        dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
+        dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
+        db_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
+        if n_rows:
+            _layer_norm_bwd_kernel[(n_prog,)](
+                x2, weight if weight is not None else x2, g2, mean, rstd, dx2, dw_part, db_part,
+                n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), n_tiles,
+                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_R=block_r, BLOCK_N=block_n,
+            )
+        dw = sum_partials(dw_part, x2.dtype) if need_dw else None
+        db = sum_partials(db_part, x2.dtype) if need_db else None
+        return dx2.view(ctx.x_shape), dw, db, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """``F.layer_norm(x, (x.shape[-1],), weight, bias, eps)`` in Triton, forward and backward.
+
+    ``x``: fp16, bf16 or fp32, any shape with features last (at most 65536 of them); ``weight`` and
+    ``bias``: ``(n,)`` of x's dtype, or None. Statistics are fp32; the result has x's dtype.
+    Gradients flow to x, weight and bias.
+    """
+    check_norm_inputs("layer_norm", x, weight=weight, bias=bias)
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"layer_norm: eps must be a non-negative number, got {eps!r}")
+    return _LayerNorm.apply(x, weight, bias, float(eps))
