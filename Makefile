@@ -26,7 +26,7 @@ book: $(STAMP)
 
 # Every test: kernels, tooling, notebooks under nbval, labs with solutions, the site in a browser.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --durations=0 --durations-min=1.0
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 # Re-execute every book notebook in place, top to bottom, in the reference CPU environment.
 execute: $(STAMP)

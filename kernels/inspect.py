@@ -154,6 +154,16 @@ def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
 # Triton
 
 
+def kernel_source(kernel) -> str:
+    """The Python source of a ``@triton.jit`` kernel, compiled or interpreted, decorator included.
+
+    ``inspect.getsource`` refuses the interpreter's wrapper object; the function it wraps is ``.fn``.
+    """
+    import inspect as pyinspect
+
+    return pyinspect.getsource(getattr(kernel, "fn", kernel))
+
+
 @dataclass
 class Build:
     """What a compile produced for one kernel on one architecture."""

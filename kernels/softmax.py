@@ -304,4 +304,6 @@ def softmax(x: torch.Tensor, dim: int = -1, *, block_size: int | None = None) ->
     copied first). A row that is all ``-inf`` gives NaN, as ``torch.softmax`` does.
     """
     d = _check_input(x, dim)
+    if x.numel() == 0:
+        return torch.empty_like(x)
     return _Softmax.apply(x, d, block_size)

@@ -83,7 +83,7 @@ def assert_close(
     a = actual.detach().to("cpu", wide)
     e = expected.detach().to("cpu", wide)
 
-    special = _special_value_report(a, e)
+    special, special_mask = _special_values(a, e)
     finite = torch.isfinite(a) & torch.isfinite(e)
     diff = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
 
@@ -102,15 +102,15 @@ def assert_close(
         rule = f"rtol={tol.rtol:g}, atol={tol.atol:g}"
 
     bad = finite & (diff > allowed)
-    n_bad = int(bad.sum())
-    if n_bad == 0 and not special:
+    n_bad = int((bad | special_mask).sum())
+    if n_bad == 0:
         return
     lines = [f"{name}: {n_bad} of {e.numel()} elements differ ({str(dtype).removeprefix('torch.')}, {rule})"]
-    if n_bad:
+    if bad.any():
         excess = torch.where(bad, diff - allowed, torch.full_like(diff, -1.0))
         worst = _unravel(int(excess.argmax()), e.shape)
         lines.append(
-            f"  worst at index {worst}: got {a[worst].item():.6g}, expected {e[worst].item():.6g}, "
+            f"  worst finite mismatch at index {worst}: got {a[worst].item():.6g}, expected {e[worst].item():.6g}, "
             f"|diff| {diff[worst].item():.3g} (allowed {allowed[worst].item():.3g})"
         )
         first = bad.flatten().nonzero().flatten()[:_FIRST_MISMATCHES].tolist()
@@ -122,8 +122,8 @@ def assert_close(
     raise MismatchError("\n".join(lines))
 
 
-def _special_value_report(a: torch.Tensor, e: torch.Tensor) -> list[str]:
-    """Lines describing NaN/inf that appear in one tensor and not at the same place in the other."""
+def _special_values(a: torch.Tensor, e: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """Report lines and a mask for NaN/inf that appear in one tensor and not at the same place in the other."""
     lines = []
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
     extra_nan = nan_a & ~nan_e
@@ -142,7 +142,7 @@ def _special_value_report(a: torch.Tensor, e: torch.Tensor) -> list[str]:
             f"  inf: {int(inf_disagree.sum())} places where inf differs (first at {where}: got "
             f"{a[where].item()}, expected {e[where].item()})"
         )
-    return lines
+    return lines, extra_nan | missed_nan | inf_disagree
 
 
 def _unit_roundoff(dtype: torch.dtype) -> float:

@@ -83,3 +83,45 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int = 64, block_n: int 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return c
+
+
+# ----------------------------------------------------------------------------------------------
+# A deliberately broken variant, kept for the start chapter and the tests: the loads along K are
+# not masked, so when K is not a multiple of BLOCK_K the last step reads past the end of each row
+# of A and past the last row of B. On a GPU that can fault or read garbage; under the interpreter
+# it silently reads whatever host memory lies there, which is why the checks use NaN canaries.
+
+
+@triton.jit
+def _matmul_no_k_mask_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, mask=rows[:, None] < M, other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=cols[None, :] < N, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def matmul_no_k_mask(a: torch.Tensor, b: torch.Tensor, *, block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+    """The broken variant above, launched like :func:`matmul`. Wrong whenever K % block_k != 0."""
+    _check_inputs(a, b)
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _matmul_no_k_mask_kernel[grid](
+        a, b, c, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return c

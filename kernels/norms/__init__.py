@@ -7,3 +7,4 @@ from kernels.norms.layer_norm import layer_norm, layer_norm_ref
 from kernels.norms.rms_norm import rms_norm, rms_norm_ref
 
 __all__ = ["batch_norm_ref", "layer_norm", "layer_norm_ref", "rms_norm", "rms_norm_ref"]
+from kernels.norms.add_rms_norm import add_rms_norm, add_rms_norm_ref

@@ -1,0 +1,165 @@
+"""Decode attention: one new query token per sequence against that sequence's KV cache.
+
+During generation each step adds one token per sequence. Its query attends to every cached key of
+its own sequence, and sequences in a batch have different lengths:
+
+    o[b, h] = sum_{j < L_b} softmax_j(q[b, h] . k[b, g(h), j] / sqrt(D)) v[b, g(h), j],
+    g(h) = h // (Hq / Hkv)   (grouped-query attention: Hq / Hkv query heads share one K/V head)
+
+Shapes:
+    q            (B, Hq, D)         the new token's queries
+    k_cache      (B, Hkv, S_max, D) keys, positions 0..L_b-1 of sequence b filled, the rest ignored
+    v_cache      (B, Hkv, S_max, D) values, same layout
+    cache_seqlens (B,) int32/int64  L_b, 0 <= L_b <= S_max
+    output       (B, Hq, D)         same dtype as q; a sequence with L_b = 0 gets zeros
+
+The kernel runs one program per (sequence, K/V head). It loads the group of Hq / Hkv query heads
+that share the K/V head once, then walks that sequence's cache in blocks of BLOCK_S positions with
+the online softmax (running max m, running sum l, rescaled accumulator), so each cached key and
+value is read once for the whole group, and only the L_b filled positions are read at all.
+Per step that is 2 * L_b * Hkv * D elements of cache per sequence: decode attention is a stream
+over the cache, bound by memory bandwidth (about 1 FLOP per byte in fp16 per query head).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import runtime
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """The reference in fp32 from the same inputs; returns (B, Hq, D) in q's dtype."""
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    k = k_cache.float().repeat_interleave(group, dim=1)                 # (B, Hq, S, D)
+    v = v_cache.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), k) / math.sqrt(D)  # (B, Hq, S)
+    valid = torch.arange(S, device=q.device)[None, :] < cache_seqlens.to(q.device).long()[:, None]  # (B, S)
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(valid[:, None, :], probs, torch.zeros_like(probs))  # L_b = 0: all-zero row, not NaN
+    out = torch.einsum("bhs,bhsd->bhd", probs, v.masked_fill(~valid[:, None, :, None], 0.0))
+    return out.to(q.dtype)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_od,
+    D, GROUP, scale_log2,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_LENGTH: tl.constexpr,
+):
+    b = tl.program_id(0)            # sequence
+    hk = tl.program_id(1)           # K/V head; it serves query heads hk*GROUP .. hk*GROUP+GROUP-1
+    L = tl.load(lens_ptr + b).to(tl.int32)   # filled cache positions of this sequence
+    g = tl.arange(0, BLOCK_G)       # (BLOCK_G,) query head within the group
+    d = tl.arange(0, BLOCK_D)       # (BLOCK_D,) head dimension
+    s = tl.arange(0, BLOCK_S)       # (BLOCK_S,) cache positions within one block
+    g_ok = g < GROUP
+    d_ok = d < D
+    heads = hk * GROUP + g
+    # The group's queries, pre-scaled by log2(e)/sqrt(D) so the softmax can use exp2: (BLOCK_G, BLOCK_D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale_log2
+
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)   # running max of the scores (log2 units)
+    l = tl.zeros((BLOCK_G,), tl.float32)                  # running sum of exp2(score - m)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)        # running sum of exp2(score - m) * v
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    for s0 in range(0, L, BLOCK_S):
+        pos = s0 + s
+        if MASK_LENGTH:
+            s_ok = pos < L                                # only the filled part of the cache
+        else:
+            s_ok = pos < s0 + BLOCK_S                     # broken on purpose: reads the whole last block
+        kv_mask = s_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + pos[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_base + pos[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
+        # scores[g, j] = q[g] . k[j]   (BLOCK_G, BLOCK_S); a group of a few heads is too small for tl.dot
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))     # finite: the block has at least one valid key
+        alpha = tl.exp2(m - m_new)                        # rescales what was summed under the old max
+        p = tl.exp2(scores - m_new[:, None])              # (BLOCK_G, BLOCK_S)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    l_safe = tl.where(l > 0, l, 1.0)                      # L = 0: acc is 0, output 0
+    out = acc / l_safe[:, None]
+    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def _check_inputs(q, k_cache, v_cache, cache_seqlens) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"decode_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != runtime.device().type:
+            raise ValueError(f"decode_attention: {name} is on {t.device}, kernels run on {runtime.device()} here")
+    if q.dim() != 3:
+        raise ValueError(f"decode_attention: q must be (B, Hq, D), got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"decode_attention: k_cache must be (B, Hkv, S_max, D), got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"decode_attention: v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    B, Hq, D = q.shape
+    Bk, Hkv, S, Dk = k_cache.shape
+    if Bk != B or Dk != D:
+        raise ValueError(f"decode_attention: q is (B={B}, Hq={Hq}, D={D}) but k_cache is (B={Bk}, Hkv={Hkv}, S={S}, D={Dk})")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"decode_attention: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"decode_attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"decode_attention: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if cache_seqlens.shape != (B,) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"decode_attention: cache_seqlens must be a (B,)=({B},) int32/int64 tensor, "
+                         f"got {tuple(cache_seqlens.shape)} {cache_seqlens.dtype}")
+    if B and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > S):
+        raise ValueError(f"decode_attention: cache_seqlens must lie in [0, S_max={S}], got "
+                         f"min {int(cache_seqlens.min())}, max {int(cache_seqlens.max())}")
+
+
+def _launch(q, k_cache, v_cache, cache_seqlens, *, block_s: int, mask_length: bool) -> torch.Tensor:
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0 or Hq == 0:
+        return out
+    grid = (B, Hkv)
+    _decode_attention_kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, out,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        D, group, (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+        MASK_LENGTH=mask_length,
+    )
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, *, block_s: int = 64) -> torch.Tensor:
+    """Attention of one query token per sequence over its first ``cache_seqlens[b]`` cached positions.
+
+    q (B, Hq, D), k_cache and v_cache (B, Hkv, S_max, D) with Hq a multiple of Hkv, cache_seqlens (B,)
+    integers in [0, S_max]; any strides. Returns (B, Hq, D) in q's dtype; zeros where the cache is empty.
+    """
+    _check_inputs(q, k_cache, v_cache, cache_seqlens)
+    if block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"decode_attention: block_s must be a power of two >= 16, got {block_s}")
+    return _launch(q, k_cache, v_cache, cache_seqlens, block_s=block_s, mask_length=True)

@@ -1,0 +1,1 @@
+"""Memory-bound kernels and the roofline arithmetic of the memory-hierarchy chapter."""

@@ -1,0 +1,167 @@
+"""Fused residual add + RMSNorm: ``h = x + residual``, ``y = rms_norm(h) * w``, in one pass.
+
+In a pre-norm Transformer block every sub-layer's output is added to the residual stream and the
+sum is normalized at once for the next sub-layer:
+
+    h = x + residual                                   (the new residual stream, kept for later)
+    rstd = 1 / sqrt(mean_j h_j^2 + eps),   y_j = w_j * h_j * rstd
+
+Done as two operations, h is written to memory by the add and read back by the norm: per row of n
+features that is 2n (read x, residual) + n (write h) + n (read h) + n (write y) elements. Fused,
+the row is read once and both outputs are written: 2n + 2n. The backward is fused the same way.
+With upstream gradients dh (from the later uses of h) and dy, hhat = h * rstd, gw = dy * w:
+
+    dh_total = dh + rstd * (gw - hhat * mean(gw * hhat))      (the residual path adds dh)
+    dx = dresidual = dh_total,                                  dw = sum over rows of dy * hhat
+
+The sum is rounded to x's dtype before it is normalized, so the fused kernel computes exactly
+what the two unfused operations compute.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.norms.common import as_rows, backward_programs, block_sizes, check_norm_inputs, sum_partials
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two unfused operations: h = x + residual (in x's dtype), y = rms_norm(h) * weight in fp32."""
+    h = x + residual
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return h, y
+
+
+@triton.jit
+def _add_rms_norm_fwd_kernel(
+    x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
+    n_rows, n, stride_x, stride_r, stride_h, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)          # (BLOCK_R,)
+    cols = tl.arange(0, BLOCK_N)                                         # (BLOCK_N,) the whole row
+    row_ok = rows < n_rows
+    col_ok = cols < n
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)  # h = x + residual, in x's dtype
+    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / n + eps)            # 1 / rms(h)
+    y = hf * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _add_rms_norm_bwd_kernel(
+    h_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+    n_rows, n, stride_h, stride_dy, stride_dh, stride_dx, n_tiles,
+    HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, RESIDUAL_GRAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for tile in range(pid, n_tiles, n_prog):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        hhat = h * rstd[:, None]
+        if HAS_WEIGHT:
+            gw = dy * w[None, :]
+        else:
+            gw = dy
+        c1 = tl.sum(gw * hhat, axis=1) / n                               # mean(gw * hhat)
+        d = (gw - hhat * c1[:, None]) * rstd[:, None]                    # through the norm
+        if RESIDUAL_GRAD:                                                # False only in the tests' broken variant
+            d += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            dw_acc += dy * hhat
+    if NEED_DW:
+        tl.store(dw_part_ptr + pid * n + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, residual_grad=True):
+        n = x.shape[-1]
+        x2, r2 = as_rows(x), as_rows(residual)
+        n_rows = x2.shape[0]
+        h2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+        y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block_r, block_n = block_sizes(n_rows, n)
+        if n_rows:
+            _add_rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+                x2, r2, weight if weight is not None else x2, h2, y2, rstd,
+                n_rows, n, x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0), eps,
+                HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+            )
+        ctx.save_for_backward(h2, weight, rstd)
+        ctx.shape = x.shape
+        ctx.residual_grad = residual_grad
+        return h2.view(x.shape), y2.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h2, weight, rstd = ctx.saved_tensors
+        n_rows, n = h2.shape
+        dy2 = as_rows(dy.to(h2.dtype))
+        dh2 = as_rows(dh.to(h2.dtype))
+        block_r, block_n = block_sizes(n_rows, n)
+        n_tiles = triton.cdiv(n_rows, block_r)
+        n_prog = backward_programs(n_tiles)
+        need_dw = weight is not None and ctx.needs_input_grad[2]
+        dx2 = torch.empty((n_rows, n), dtype=h2.dtype, device=h2.device)
+        dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=h2.device)
+        if n_rows:
+            _add_rms_norm_bwd_kernel[(n_prog,)](
+                h2, weight if weight is not None else h2, dy2, dh2, rstd, dx2, dw_part,
+                n_rows, n, h2.stride(0), dy2.stride(0), dh2.stride(0), dx2.stride(0), n_tiles,
+                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, RESIDUAL_GRAD=ctx.residual_grad,
+                BLOCK_R=block_r, BLOCK_N=block_n,
+            )
+        dw = sum_partials(dw_part, h2.dtype) if need_dw else None
+        dx = dx2.view(ctx.shape)
+        # x and residual get the same gradient; separate tensors, so neither can alias the other's .grad
+        return dx, dx.clone(), dw, None, None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and ``y = rms_norm(h) * weight`` in one Triton kernel; returns (h, y).
+
+    x and residual: same shape and dtype (fp16, bf16 or fp32), features last, any row stride;
+    weight: (n,) of that dtype or None. Both outputs are contiguous, in x's dtype; the statistic is
+    fp32. Differentiable in x, residual and weight (the backward is fused too).
+    """
+    n = check_norm_inputs("add_rms_norm", x, weight=weight)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"add_rms_norm: residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)}")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"add_rms_norm: residual has dtype {residual.dtype} but x has {x.dtype}; they must match")
+    if residual.device != x.device:
+        raise ValueError(f"add_rms_norm: residual is on {residual.device} but x is on {x.device}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"add_rms_norm: eps must be a non-negative number, got {eps!r}")
+    del n
+    return _AddRMSNorm.apply(x, residual, weight, float(eps))

@@ -1,0 +1,192 @@
+"""``cp.async`` commit and wait groups, emulated; and a timeline model of a multi-stage pipeline.
+
+The PTX ISA (``nvidia2025ptx``, "Data Movement and Conversion Instructions: cp.async",
+"cp.async.commit_group", "cp.async.wait_group") defines, per thread:
+
+* ``cp.async`` starts a copy from global to shared memory and returns at once; the copy is not
+  ordered with anything else the thread does and its bytes may land at any time until the thread
+  waits for it;
+* ``cp.async.commit_group`` closes all the thread's cp.async operations issued since the last
+  commit into one *group* (a commit with nothing pending makes an empty group);
+* ``cp.async.wait_group N`` blocks until at most the N most recent groups are still pending, so
+  every older group has completed and its bytes are visible to the thread;
+  ``cp.async.wait_all`` is ``commit_group`` then ``wait_group 0``.
+
+:class:`AsyncCopyUnit` holds that state for one thread. By default it is *lazy*: a copy lands at
+the last moment the ISA allows (when a wait forces it), which is the schedule that exposes a
+missing or too-weak wait; ``eager=True`` lands every copy at once, the schedule under which such a
+bug hides. A correct program gives the same answer under both.
+
+:func:`pipeline_timeline` is a model, not a measurement: a tile's copy takes a fixed latency, copies
+share one memory pipe of fixed transfer time per tile, compute takes a fixed time per tile. Its
+latencies are inputs the caller chooses and labels.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+class AsyncCopyUnit:
+    """One thread's cp.async state: uncommitted copies and the queue of committed groups."""
+
+    def __init__(self, *, eager: bool = False):
+        self.eager = eager
+        self.uncommitted: list = []
+        self.groups: deque[list] = deque()
+        self.log: list[str] = []
+
+    def cp_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Start copying ``src`` (global) into ``dst`` (a view of shared memory)."""
+        if dst.shape != src.shape:
+            raise ValueError(f"cp_async: dst shape {tuple(dst.shape)} differs from src shape {tuple(src.shape)}")
+        nbytes = src.numel() * src.element_size()
+        if nbytes not in (4, 8, 16) and nbytes % 16:
+            raise ValueError(f"cp_async copies 4, 8 or 16 bytes per instruction (or 16-byte multiples here), got {nbytes}")
+        op = (dst, src.clone())  # the source is read at issue in this model
+        if self.eager:
+            dst.copy_(op[1])
+        else:
+            self.uncommitted.append(op)
+        self.log.append(f"cp.async {nbytes} B")
+
+    def commit_group(self) -> None:
+        self.groups.append(self.uncommitted)
+        self.uncommitted = []
+        self.log.append(f"commit_group -> {len(self.groups)} pending")
+
+    def wait_group(self, n: int) -> None:
+        """Complete the oldest groups until at most ``n`` are pending."""
+        if n < 0:
+            raise ValueError(f"wait_group N needs N >= 0, got {n}")
+        while len(self.groups) > n:
+            for dst, src in self.groups.popleft():
+                dst.copy_(src)
+        self.log.append(f"wait_group {n} -> {len(self.groups)} pending")
+
+    def wait_all(self) -> None:
+        self.commit_group()
+        self.wait_group(0)
+
+    @property
+    def pending(self) -> int:
+        return len(self.groups)
+
+
+def tile_sums_ref(x: torch.Tensor) -> torch.Tensor:
+    """Sum of each row of ``x`` (n_tiles, tile): what the pipelined kernel computes."""
+    return x.float().sum(dim=1)
+
+
+def pipelined_tile_sums(x: torch.Tensor, stages: int = 3, *, wait: int | None = None, eager: bool = False) -> torch.Tensor:
+    """The loop of ``kernels/cuda/cp_async.cu``, emulated: sum each tile after staging it in shared memory.
+
+    Shared memory is a ring of ``stages`` tile buffers, filled with NaN (stale bytes). The prologue
+    issues tiles 0 .. stages-2 (one group each); iteration i waits with ``wait_group(stages - 2)``
+    (tile i has landed), sums tile i, then issues tile i + stages - 1 into the slot tile i - 1 used.
+    ``wait`` overrides the wait depth, to show what a wrong one does.
+    """
+    if stages < 2:
+        raise ValueError(f"a pipeline needs stages >= 2 (one buffer being filled, one being read), got {stages}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be (n_tiles, tile), got shape {tuple(x.shape)}")
+    depth = stages - 2 if wait is None else wait
+    n_tiles, tile = x.shape
+    smem = torch.full((stages, tile), float("nan"), dtype=x.dtype)
+    unit = AsyncCopyUnit(eager=eager)
+    out = torch.empty(n_tiles, dtype=torch.float32)
+    for j in range(stages - 1):                      # prologue: stages-1 tiles in flight
+        if j < n_tiles:
+            unit.cp_async(smem[j % stages], x[j])
+        unit.commit_group()
+    for i in range(n_tiles):
+        unit.wait_group(depth)                       # tile i is in smem[i % stages]
+        out[i] = smem[i % stages].float().sum()      # compute on the staged tile
+        j = i + stages - 1                           # refill the slot tile i-1 used
+        if j < n_tiles:
+            unit.cp_async(smem[j % stages], x[j])
+        unit.commit_group()                          # possibly empty: keeps the group count regular
+    unit.wait_group(0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Timeline model
+
+
+@dataclass
+class Timeline:
+    stages: int
+    copy_issue: list[float] = field(default_factory=list)
+    copy_done: list[float] = field(default_factory=list)
+    compute_start: list[float] = field(default_factory=list)
+    compute_end: list[float] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.compute_end[-1] if self.compute_end else 0.0
+
+    @property
+    def compute_busy(self) -> float:
+        """Fraction of the run the compute units are busy."""
+        busy = sum(e - s for s, e in zip(self.compute_start, self.compute_end))
+        return busy / self.total if self.total else 0.0
+
+
+def pipeline_timeline(n_tiles: int, stages: int, *, latency: float, transfer: float, compute: float) -> Timeline:
+    """Event times of an ``stages``-deep cp.async pipeline over ``n_tiles`` tiles (model, any time unit).
+
+    * copy j is issued at t=0 for the prologue tiles (j < stages-1), otherwise when compute of tile
+      j - stages + 1 starts (the wait for it has returned and its slot's previous tile is consumed);
+    * copy j completes at max(issue_j + latency, done_{j-1} + transfer): a fixed latency, and one
+      memory pipe that moves one tile per ``transfer``;
+    * compute of tile i starts at max(end_{i-1}, done_i) and takes ``compute``.
+
+    With stages=1 there is no overlap: each tile is copied, waited for, then computed.
+    Steady state: one tile per max(compute, transfer, (latency + ...) / (stages - 1)), see
+    :func:`steady_state_period`.
+    """
+    if stages < 1 or n_tiles < 1:
+        raise ValueError(f"need stages >= 1 and n_tiles >= 1, got {stages} and {n_tiles}")
+    for name, v in (("latency", latency), ("transfer", transfer), ("compute", compute)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    tl = Timeline(stages)
+    issue = [None] * n_tiles
+    done = [None] * n_tiles
+
+    def start_copy(j, t):
+        issue[j] = t
+        prev = done[j - 1] if j > 0 else float("-inf")
+        done[j] = max(t + latency, prev + transfer)
+
+    ahead = max(stages - 1, 1) if stages > 1 else 0
+    for j in range(min(ahead, n_tiles)):
+        start_copy(j, 0.0)
+    end_prev = 0.0
+    for i in range(n_tiles):
+        if issue[i] is None:                 # stages == 1: copy only after the previous compute
+            start_copy(i, end_prev)
+        start = max(end_prev, done[i])
+        j = i + stages - 1
+        if stages > 1 and j < n_tiles and issue[j] is None:
+            start_copy(j, start)
+        tl.compute_start.append(start)
+        tl.compute_end.append(start + compute)
+        end_prev = start + compute
+    tl.copy_issue, tl.copy_done = list(issue), list(done)
+    return tl
+
+
+def steady_state_period(stages: int, *, latency: float, transfer: float, compute: float) -> float:
+    """Time per tile once the pipeline is full.
+
+    With S >= 2 stages, copy i+S-1 is issued when compute i starts, and compute i+S-1 cannot start
+    before that copy is done: (S-1) periods >= latency. Also a period >= compute and >= transfer.
+    So P = max(compute, transfer, latency / (S - 1)). With S = 1: P = max(latency, transfer) + compute.
+    """
+    if stages == 1:
+        return max(latency, transfer) + compute
+    return max(compute, transfer, latency / (stages - 1))

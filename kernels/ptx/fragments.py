@@ -1,0 +1,264 @@
+"""Which of a warp's 32 threads holds which matrix element: ``ldmatrix`` and ``mma.sync.m16n8k16``.
+
+Everything here is transcribed from the PTX ISA (``nvidia2025ptx``): section "Warp-level matrix
+load instruction: ldmatrix" and section "Matrix Fragments for mma.m16n8k16" (floating-point types,
+``.f16`` A/B and ``.f32`` C/D). The names follow the ISA:
+
+    groupID           = laneid >> 2      (0..7: which group of four threads)
+    threadID_in_group = laneid % 4       (0..3: position inside the group)
+
+**ldmatrix** loads 8x8 matrices of 16-bit elements from shared memory. Each row of a matrix is 16
+contiguous bytes whose address one thread supplies (threads 0-7 for matrix 0, 8-15 for matrix 1,
+16-23 for matrix 2, 24-31 for matrix 3; ``.x1`` uses only threads 0-7 and ``.x2`` threads 0-15).
+Every thread receives one 32-bit register per matrix, holding two consecutive elements:
+
+    without .trans: register r of lane l = M_r[l // 4][2 (l % 4) + j],  j = 0, 1
+    with .trans:    register r of lane l = M_r[2 (l % 4) + j][l // 4]
+
+**mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32** computes D (16x8) = A (16x16) B (16x8) + C.
+Per thread: A in four ``.f16x2`` registers (a0..a7), B in two (b0..b3), C and D in four ``.f32``:
+
+    A: a_i at row = groupID + 8 * ((i // 2) % 2),  col = 2 threadID_in_group + (i % 2) + 8 * (i // 4)
+    B: b_i at row (k) = 2 threadID_in_group + (i % 2) + 8 * (i // 2),  col (n) = groupID
+    C: c_i at row = groupID + 8 * (i // 2),  col = 2 threadID_in_group + (i % 2)
+
+A layout here is an integer array ``(32, n, 2)``: ``layout[lane, i] = (row, col)`` of element ``i``
+held by ``lane``. The emulation of the instruction is: gather the matrices the tensor core sees
+from the 32 threads' registers with the layouts, multiply, scatter D back. So the layouts ARE the
+content; they are checked (1) by being bijections onto the matrix, (2) against each other, since
+``ldmatrix.x4`` and ``ldmatrix.x2.trans`` written from their own section of the ISA must produce
+exactly mma's A and B fragments, and (3) on a GPU, against the real instructions
+(``kernels/cuda/ldmatrix.cu``, ``kernels/cuda/mma.cu``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+WARP = 32
+LDMATRIX_NUMS = (1, 2, 4)
+MMA_SHAPE = (16, 8, 16)  # (M, N, K) of mma.m16n8k16
+OPERAND_SHAPES = {"a": (16, 16), "b": (16, 8), "c": (16, 8)}
+ELEMENTS_PER_THREAD = {"a": 8, "b": 4, "c": 4}
+
+
+def group_id(lane):
+    return lane >> 2
+
+
+def thread_in_group(lane):
+    return lane % 4
+
+
+def _lanes():
+    return np.arange(WARP)
+
+
+# ----------------------------------------------------------------------------------------------
+# ldmatrix
+
+
+def _check_num(num: int) -> None:
+    if num not in LDMATRIX_NUMS:
+        raise ValueError(f"ldmatrix loads .x1, .x2 or .x4: num must be 1, 2 or 4, got {num!r}")
+
+
+def ldmatrix_layout(num: int, trans: bool = False) -> np.ndarray:
+    """``(32, num, 2, 3)``: for lane l, register r, half j -> (matrix, row, col) that it receives."""
+    _check_num(num)
+    out = np.zeros((WARP, num, 2, 3), dtype=np.int64)
+    for lane in range(WARP):
+        for r in range(num):
+            for j in range(2):
+                if trans:
+                    row, col = 2 * (lane % 4) + j, lane // 4
+                else:
+                    row, col = lane // 4, 2 * (lane % 4) + j
+                out[lane, r, j] = (r, row, col)
+    return out
+
+
+def ldmatrix_address_lanes(num: int) -> range:
+    """The lanes whose row addresses ldmatrix reads: 8 per matrix, from lane 0 up."""
+    _check_num(num)
+    return range(8 * num)
+
+
+def ldmatrix(smem: torch.Tensor, row_addresses, num: int, trans: bool = False, *, layout=None) -> torch.Tensor:
+    """Emulate ``ldmatrix.sync.aligned.m8n8.x{num}[.trans].shared.b16``.
+
+    ``smem`` is shared memory as a 1-D tensor of 16-bit elements; ``row_addresses[lane]`` is the
+    element offset of the row that lane supplies (only lanes ``0 .. 8*num-1`` are read; each
+    address must be 16-byte aligned, a multiple of 8 elements). Returns ``(32, num, 2)``: what
+    each lane's register r holds, low half first.
+    """
+    _check_num(num)
+    if not isinstance(smem, torch.Tensor) or smem.dim() != 1 or smem.element_size() != 2:
+        raise ValueError("ldmatrix: smem must be a 1-D tensor of 16-bit elements (float16, bfloat16, int16)")
+    addresses = [int(a) for a in row_addresses]
+    if len(addresses) != WARP:
+        raise ValueError(f"ldmatrix: row_addresses needs one entry per lane (32), got {len(addresses)}")
+    # rows[m][r] = the 8 elements of row r of matrix m, read from the address lane 8m + r supplied
+    rows = torch.empty((num, 8, 8), dtype=smem.dtype)
+    for lane in ldmatrix_address_lanes(num):
+        a = addresses[lane]
+        if a % 8:
+            raise ValueError(f"ldmatrix: lane {lane}'s row address {a} is not 16-byte aligned (a multiple of 8 elements)")
+        if a < 0 or a + 8 > smem.numel():
+            raise ValueError(f"ldmatrix: lane {lane}'s row {a}..{a + 7} is outside shared memory of {smem.numel()} elements")
+        rows[lane // 8, lane % 8] = smem[a:a + 8]
+    lay = ldmatrix_layout(num, trans) if layout is None else np.asarray(layout)
+    m, r, c = (torch.as_tensor(lay[..., k]) for k in range(3))
+    return rows[m, r, c]  # (32, num, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# mma.m16n8k16, f16 inputs, f32 accumulators
+
+
+def mma_layout(operand: str) -> np.ndarray:
+    """``(32, n, 2)`` for operand "a", "b" or "c" (C and D share a layout): ``[lane, i] = (row, col)``."""
+    lanes = _lanes()
+    g, t = group_id(lanes), thread_in_group(lanes)
+    if operand == "a":
+        i = np.arange(8)
+        row = g[:, None] + 8 * ((i[None, :] // 2) % 2)
+        col = 2 * t[:, None] + (i[None, :] % 2) + 8 * (i[None, :] // 4)
+    elif operand == "b":
+        i = np.arange(4)
+        row = 2 * t[:, None] + (i[None, :] % 2) + 8 * (i[None, :] // 2)
+        col = np.broadcast_to(g[:, None], (WARP, 4))
+    elif operand in ("c", "d"):
+        i = np.arange(4)
+        row = g[:, None] + 8 * (i[None, :] // 2)
+        col = 2 * t[:, None] + (i[None, :] % 2)
+    else:
+        raise ValueError(f"operand must be 'a', 'b' or 'c' (C and D share a layout), got {operand!r}")
+    return np.stack([row, col], axis=-1).astype(np.int64)
+
+
+def layout_from_function(index, operand: str) -> np.ndarray:
+    """A layout array from a function ``index(lane, i) -> (row, col)`` (how the lab's mapping is read)."""
+    op = "c" if operand == "d" else operand
+    n = ELEMENTS_PER_THREAD[op]
+    out = np.zeros((WARP, n, 2), dtype=np.int64)
+    for lane in range(WARP):
+        for i in range(n):
+            rc = index(lane, i)
+            try:
+                row, col = (int(v) for v in rc)
+            except (TypeError, ValueError):
+                raise TypeError(f"index({lane}, {i}) must return (row, col), got {rc!r}") from None
+            out[lane, i] = (row, col)
+    return out
+
+
+def check_layout(layout, operand: str) -> None:
+    """Raise ValueError unless ``layout`` puts every element of the operand in exactly one (lane, slot)."""
+    op = "c" if operand == "d" else operand
+    rows, cols = OPERAND_SHAPES[op]
+    lay = np.asarray(layout)
+    want = (WARP, ELEMENTS_PER_THREAD[op], 2)
+    if lay.shape != want:
+        raise ValueError(f"{operand} layout must have shape {want}, got {lay.shape}")
+    r, c = lay[..., 0], lay[..., 1]
+    bad = np.argwhere((r < 0) | (r >= rows) | (c < 0) | (c >= cols))
+    if len(bad):
+        lane, i = bad[0]
+        raise ValueError(f"{operand} layout: lane {lane} element {i} -> {tuple(lay[lane, i])} is outside the {rows}x{cols} matrix")
+    flat = (r * cols + c).ravel()
+    counts = np.bincount(flat, minlength=rows * cols)
+    if (counts != 1).any():
+        e = int(np.argmax(counts > 1)) if (counts > 1).any() else int(np.argmax(counts == 0))
+        raise ValueError(f"{operand} layout: element ({e // cols}, {e % cols}) is held {counts[e]} times, not once")
+
+
+def to_fragments(matrix: torch.Tensor, operand: str, layout=None) -> torch.Tensor:
+    """Distribute a matrix over the warp: ``(32, n)``, entry ``[lane, i]`` = what lane holds in slot i."""
+    op = "c" if operand == "d" else operand
+    if tuple(matrix.shape) != OPERAND_SHAPES[op]:
+        raise ValueError(f"operand {operand} must be {OPERAND_SHAPES[op]}, got {tuple(matrix.shape)}")
+    lay = mma_layout(op) if layout is None else np.asarray(layout)
+    return matrix[torch.as_tensor(lay[..., 0]), torch.as_tensor(lay[..., 1])]
+
+
+def from_fragments(fragments: torch.Tensor, operand: str, layout=None) -> torch.Tensor:
+    """Gather ``(32, n)`` fragments back into the matrix (elements no slot names stay NaN)."""
+    op = "c" if operand == "d" else operand
+    lay = mma_layout(op) if layout is None else np.asarray(layout)
+    out = torch.full(OPERAND_SHAPES[op], float("nan"), dtype=fragments.dtype)
+    out[torch.as_tensor(lay[..., 0]), torch.as_tensor(lay[..., 1])] = fragments
+    return out
+
+
+def mma_m16n8k16(a_frag: torch.Tensor, b_frag: torch.Tensor, c_frag: torch.Tensor | None = None, *,
+                 layouts: dict | None = None) -> torch.Tensor:
+    """Emulate one warp's ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``: the D fragments.
+
+    ``a_frag`` (32, 8) and ``b_frag`` (32, 4) are fp16, ``c_frag`` (32, 4) fp32 (zeros if None).
+    fp16 x fp16 products are exact in fp32; the sum over k is done in float64 and rounded once to
+    fp32, so for inputs whose products and partial sums are exact (small integers) D is exact.
+    ``layouts`` overrides the ISA layouts (to show that a wrong one gives a wrong product).
+    """
+    lay = {"a": mma_layout("a"), "b": mma_layout("b"), "c": mma_layout("c"), **(layouts or {})}
+    for name, frag, want, dtype in (("a_frag", a_frag, (32, 8), torch.float16), ("b_frag", b_frag, (32, 4), torch.float16)):
+        if tuple(frag.shape) != want or frag.dtype != dtype:
+            raise ValueError(f"mma_m16n8k16: {name} must be {dtype} of shape {want}, got {frag.dtype} {tuple(frag.shape)}")
+    if c_frag is None:
+        c_frag = torch.zeros((32, 4), dtype=torch.float32)
+    if tuple(c_frag.shape) != (32, 4) or c_frag.dtype != torch.float32:
+        raise ValueError(f"mma_m16n8k16: c_frag must be float32 of shape (32, 4), got {c_frag.dtype} {tuple(c_frag.shape)}")
+    A = from_fragments(a_frag.double(), "a", lay["a"])   # (16, 16) what the tensor core sees
+    B = from_fragments(b_frag.double(), "b", lay["b"])   # (16, 8)
+    C = from_fragments(c_frag.double(), "c", lay["c"])   # (16, 8)
+    D = (A @ B + C).float()                              # D = A B + C, one rounding to fp32
+    return to_fragments(D, "c", lay["c"])
+
+
+def mma_from_matrices(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None = None) -> torch.Tensor:
+    """D = A B + C through the warp: distribute by the ISA layouts, emulate mma, gather D."""
+    c = None if C is None else to_fragments(C.float(), "c")
+    d = mma_m16n8k16(to_fragments(A.half(), "a"), to_fragments(B.half(), "b"), c)
+    return from_fragments(d, "c")
+
+
+# ----------------------------------------------------------------------------------------------
+# ldmatrix feeding mma: the composition a real kernel uses
+
+
+def a_tile_addresses(row_stride: int = 16) -> list[int]:
+    """Row addresses for ``ldmatrix.x4`` of a row-major 16x16 A tile: lane l -> &A[l % 16][8 (l // 16)]."""
+    return [(lane % 16) * row_stride + 8 * (lane // 16) for lane in range(WARP)]
+
+
+def b_tile_addresses(row_stride: int = 8) -> list[int]:
+    """Row addresses for ``ldmatrix.x2.trans`` of a row-major (k-major) 16x8 B tile: lane l -> &B[l % 16][0]."""
+    return [(lane % 16) * row_stride for lane in range(WARP)]
+
+
+def ldmatrix_a_fragments(A: torch.Tensor) -> torch.Tensor:
+    """mma A fragments (32, 8) of a row-major fp16 16x16 tile, loaded with ldmatrix.x4."""
+    regs = ldmatrix(A.half().contiguous().view(-1), a_tile_addresses(), 4)  # (32, 4, 2)
+    return regs.reshape(WARP, 8)
+
+
+def ldmatrix_b_fragments(B: torch.Tensor) -> torch.Tensor:
+    """mma B fragments (32, 4) of a row-major (K x N) fp16 16x8 tile, loaded with ldmatrix.x2.trans."""
+    regs = ldmatrix(B.half().contiguous().view(-1), b_tile_addresses(), 2, trans=True)  # (32, 2, 2)
+    return regs.reshape(WARP, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registers as the GPU stores them: two 16-bit halves in one 32-bit word, element 0 in the low half
+
+
+def pack_halves(x: torch.Tensor) -> torch.Tensor:
+    """``(..., 2k)`` fp16/bf16 -> ``(..., k)`` int32 words, low half = even element (little-endian)."""
+    if x.element_size() != 2 or x.shape[-1] % 2:
+        raise ValueError("pack_halves needs a 16-bit tensor with an even last dimension")
+    return x.contiguous().view(torch.int32)
+
+
+def unpack_halves(words: torch.Tensor, dtype=torch.float16) -> torch.Tensor:
+    """Inverse of :func:`pack_halves`."""
+    return words.contiguous().view(dtype)

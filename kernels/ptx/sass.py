@@ -1,0 +1,28 @@
+"""Read SASS one function at a time (``cuobjdump -sass`` prints every kernel of a cubin in one text)."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from kernels import inspect as kinspect
+
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)\s*$", re.M)
+
+
+def split_functions(sass: str) -> dict[str, str]:
+    """``{kernel name: its SASS}`` from a cuobjdump listing; error if the listing names no function."""
+    marks = list(_FUNCTION.finditer(sass))
+    if not marks:
+        raise ValueError("no 'Function :' header in this SASS text: is it cuobjdump -sass output?")
+    out = {}
+    for m, nxt in zip(marks, marks[1:] + [None]):
+        out[m.group(1)] = sass[m.end(): nxt.start() if nxt else len(sass)]
+    return out
+
+
+def opcodes(sass: str, function: str) -> Counter:
+    """Full opcodes (``LDSM.16.MT88.4`` ...) of one kernel in a SASS listing."""
+    funcs = split_functions(sass)
+    if function not in funcs:
+        raise KeyError(f"no kernel {function!r} in this SASS; it has {', '.join(sorted(funcs))}")
+    return kinspect.instructions(funcs[function], "sass")

@@ -1,0 +1,107 @@
+"""kernels.norms.add_rms_norm: fused residual add + RMSNorm, forward and backward."""
+import kernels  # noqa: F401  (before triton)
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import runtime
+from kernels.norms import add_rms_norm, add_rms_norm_ref
+from kernels.norms.add_rms_norm import _AddRMSNorm
+from kernels.testing import MismatchError, assert_close, nan_canary
+
+DTYPES = runtime.runtime().check_dtypes
+DEVICE = runtime.device()
+SHAPES = [(1, 1), (3, 7), (37, 130), (2, 5, 96), (5, 1000)]
+EPS = 1e-5
+
+
+def _t(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def _grads(fn, x, r, w, gh, gy):
+    """(h, y, dx, dr, dw) for the loss <h, gh> + <y, gy>."""
+    x, r, w = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    h, y = fn(x, r, w)
+    dx, dr, dw = torch.autograd.grad((h * gh).sum() + (y * gy).sum(), (x, r, w))
+    return h, y, dx, dr, dw
+
+
+def _unfused_torch(x, r, w):
+    h = x + r
+    return h, F.rms_norm(h, (h.shape[-1],), w, EPS)
+
+
+def _case(shape, dtype):
+    n = shape[-1]
+    return (_t(shape, dtype, 0, 2.0), _t(shape, dtype, 1), _t((n,), dtype, 2), _t(shape, dtype, 3), _t(shape, dtype, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_backward_match_reference(shape, dtype):
+    x, r, w, gh, gy = _case(shape, dtype)
+    got = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS), x, r, w, gh, gy)
+    # reference: the two operations in float64 from the same (rounded) h
+    h_dt = x + r
+    ref = _grads(lambda a, b, c: add_rms_norm_ref(a, b, c, EPS), x.double(), r.double(), w.double(),
+                 gh.double(), gy.double())
+    base = _grads(_unfused_torch, x, r, w, gh, gy)
+    assert torch.equal(got[0], h_dt), "h must be exactly x + residual in x's dtype"
+    for label, a, e, b in zip(["h", "y", "dx", "dresidual", "dw"], got, ref, base):
+        assert a.dtype == dtype, label
+        if label == "h":
+            continue
+        assert_close(a, e, dtype=dtype, baseline=b, name=f"add_rms_norm {label}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_canary_rows_and_tail(dtype):
+    """Inputs as row-padded views of NaN buffers: a load past the row end would poison the row."""
+    x, r, w, _, _ = _case((9, 77), dtype)
+    h, y = add_rms_norm(nan_canary(x, rows=True), nan_canary(r), w, EPS)
+    hr, yr = add_rms_norm_ref(x, r, w, EPS)
+    assert not torch.isnan(y).any() and not torch.isnan(h).any()
+    assert_close(y, yr, dtype=dtype, baseline=_unfused_torch(x, r, w)[1])
+
+
+def test_no_weight_and_large_values():
+    x = _t((6, 50), torch.float32, 0, 1e4)
+    r = _t((6, 50), torch.float32, 1, 1e4)
+    h, y = add_rms_norm(x, r, None, EPS)
+    assert_close(y, add_rms_norm_ref(x, r, None, EPS)[1])
+    assert_close(h, x + r)
+
+
+def test_gradcheck_float64_reference_agrees_with_fp32_kernel():
+    """The backward formula (dh + norm backward) checked once more against autograd in float64."""
+    x, r, w, gh, gy = _case((4, 33), torch.float32)
+    got = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS), x, r, w, gh, gy)
+    ref = _grads(_unfused_torch, x.double(), r.double(), w.double(), gh.double(), gy.double())
+    for a, e in zip(got, ref):
+        assert_close(a, e.float(), dtype=torch.float32)
+
+
+def test_broken_variant_without_residual_gradient_is_caught():
+    """Dropping the residual path's dh from the backward (a classic bug) must fail the check."""
+    x, r, w, gh, gy = _case((37, 130), torch.float32)
+    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, False), x, r, w, gh, gy)
+    ref = _grads(_unfused_torch, x.double(), r.double(), w.double(), gh.double(), gy.double())
+    assert_close(broken[1], ref[1].float())            # the forward is still right
+    with pytest.raises(MismatchError):
+        assert_close(broken[2], ref[2].float(), name="dx without dh")
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="residual shape"):
+        add_rms_norm(x, torch.randn(4, 9), None)
+    with pytest.raises(TypeError, match="residual has dtype"):
+        add_rms_norm(x, torch.randn(4, 8, dtype=torch.float16), None)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        add_rms_norm(x, torch.randn(4, 8), torch.ones(7))
+    with pytest.raises(TypeError, match="x has dtype"):
+        add_rms_norm(x.long(), x.long(), None)
+    with pytest.raises(ValueError, match="eps"):
+        add_rms_norm(x, x, None, -1.0)

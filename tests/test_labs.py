@@ -1,0 +1,101 @@
+"""Labs: with their solutions swapped in they run cleanly under nbval, and every check cell
+rejects the known-wrong implementations kept beside the solutions."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from tools import labs
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS = labs.lab_notebooks()
+WRONG = [(lab, block) for lab in LABS if labs.solutions_path(lab).is_file()
+         for block in labs.load_blocks(labs.solutions_path(lab)) if block.kind == "wrong"]
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def run_under_nbval(nb, folder: Path) -> subprocess.CompletedProcess:
+    path = folder / "solved.ipynb"
+    nbformat.write(labs.for_nbval(nb), path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-p", "no:xdist",
+         "--nbval", "--nbval-current-env", str(path)],
+        capture_output=True, text=True, cwd=ROOT, env=env,
+    )
+
+
+def failing_cell(nb, folder: Path):
+    """Execute ``nb``; return (index, ename) of the cell that raised, or None if all ran."""
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    try:
+        client.execute()
+    except CellExecutionError:
+        for i, cell in enumerate(nb.cells):
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "error":
+                    return i, out["ename"]
+        raise
+    return None
+
+
+@pytest.mark.parametrize("lab", LABS, ids=rel)
+def test_lab_is_a_set_of_stubs_with_checks_and_solutions(lab):
+    nb = labs.read(lab)
+    tasks, checks = labs.tasks(nb), labs.checks(nb)
+    assert tasks, f"{rel(lab)} has no task cells"
+    assert set(tasks) == set(checks), f"tasks {sorted(tasks)} and checks {sorted(checks)} differ"
+    for task, i in tasks.items():
+        src = nb.cells[i].source
+        assert "TODO" in src and "raise NotImplementedError" in src, f"task {task} is not a stub"
+        assert checks[task] > i, f"the check for {task} comes before its task"
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "labs are stored without outputs"
+    blocks = labs.load_blocks(labs.solutions_path(lab))
+    for task in tasks:
+        kinds = {b.kind for b in blocks if b.task == task}
+        assert kinds == {"solution", "wrong"}, f"task {task} needs a solution and at least one wrong block"
+
+
+@pytest.mark.parametrize("lab", LABS, ids=rel)
+def test_solved_lab_runs_under_nbval(lab, tmp_path):
+    solved = labs.solved(labs.read(lab), labs.load_blocks(labs.solutions_path(lab)))
+    proc = run_under_nbval(solved, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("lab, block", WRONG, ids=[f"{lab.stem}:{b.task}:{b.why}" for lab, b in WRONG])
+def test_check_rejects_a_known_wrong_implementation(lab, block, tmp_path):
+    nb = labs.read(lab)
+    broken = labs.solved(nb, labs.load_blocks(labs.solutions_path(lab)), wrong=block)
+    failure = failing_cell(broken, tmp_path)
+    assert failure is not None, f"the check for {block.task} accepted the wrong implementation ({block.why})"
+    index, ename = failure
+    assert index == labs.checks(nb)[block.task], f"cell {index} failed, not the check for {block.task}"
+    assert ename in ("MismatchError", "AssertionError"), f"the check failed with {ename}, not a mismatch"
+
+
+def test_the_mechanism_on_a_tiny_lab(tmp_path):
+    """The harness itself can fail: a wrong block that the check misses is reported."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import torch\nfrom kernels.testing import check_cases"),
+        nbformat.v4.new_code_cell("def double(x):\n    # TODO\n    raise NotImplementedError", metadata={"lab": {"task": "double"}}),
+        nbformat.v4.new_code_cell("print(check_cases(double, lambda x: 2 * x, [torch.ones(3)]))", metadata={"lab": {"check": "double"}}),
+    ]
+    sol = tmp_path / "tiny.py"
+    sol.write_text("# %% solution double\ndef double(x):\n    return x + x\n"
+                   "# %% wrong double: squares\ndef double(x):\n    return x * x\n"
+                   "# %% wrong double: adds one\ndef double(x):\n    return x + 1\n")
+    blocks = labs.load_blocks(sol)
+    assert [(b.kind, b.why) for b in blocks] == [("solution", ""), ("wrong", "squares"), ("wrong", "adds one")]
+    assert run_under_nbval(labs.solved(nb, blocks), tmp_path).returncode == 0
+    assert failing_cell(labs.solved(nb, blocks, wrong=blocks[1]), tmp_path) == (2, "MismatchError")
+    assert failing_cell(labs.solved(nb, blocks, wrong=blocks[2]), tmp_path) is None  # x + 1 == 2x on ones: a weak check lets it pass

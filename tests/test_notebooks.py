@@ -1,0 +1,104 @@
+"""The notebook rules: every book notebook is in the table of contents, carries its chapter ID,
+was executed top to bottom, and holds no error output. (nbval then re-executes each one.)"""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tools import syllabus
+from tools.notebooks import book_notebooks
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = book_notebooks()
+
+
+def toc_files() -> set[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                files.add(node["file"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(toc)
+    return files
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_there_are_book_notebooks():
+    assert NOTEBOOKS, "no notebooks under book/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=rel)
+def test_notebook_is_in_the_table_of_contents(path):
+    assert rel(path).removesuffix(".ipynb") in toc_files(), f"{rel(path)} is not in _toc.yml"
+
+
+def test_every_toc_entry_exists():
+    missing = [f for f in toc_files() if not any((ROOT / f).with_suffix(s).is_file() for s in (".ipynb", ".md"))]
+    assert not missing, f"_toc.yml names files that do not exist: {missing}"
+
+
+def chapter_problems(nb: dict, relpath: str) -> list[str]:
+    chapter = nb.get("metadata", {}).get("course", {}).get("chapter")
+    paths = syllabus.chapter_paths()
+    if chapter not in paths:
+        return [f"{relpath}: metadata course.chapter {chapter!r} is not a chapter ID of syllabus.yml"]
+    if paths[chapter] != relpath:
+        return [f"{relpath}: chapter {chapter!r} belongs at {paths[chapter]}"]
+    return []
+
+
+def execution_problems(nb: dict, relpath: str) -> list[str]:
+    problems = []
+    code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    counts = [c.get("execution_count") for c in code]
+    if counts != list(range(1, len(code) + 1)):
+        problems.append(f"{relpath}: execution counts {counts}: run `make execute`")
+    for out in (o for c in code for o in c.get("outputs", [])):
+        if out.get("output_type") == "error":
+            problems.append(f"{relpath}: error output {out.get('ename')}: {out.get('evalue')}")
+    if nb["metadata"].get("kernelspec", {}).get("name") != "python3":
+        problems.append(f"{relpath}: kernelspec is not python3")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=rel)
+def test_notebook_carries_its_chapter_id_at_its_syllabus_path(path):
+    assert not chapter_problems(json.loads(path.read_text()), rel(path))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=rel)
+def test_notebook_was_executed_top_to_bottom_without_errors(path):
+    assert not execution_problems(json.loads(path.read_text()), rel(path))
+
+
+def test_intro_lists_every_part_of_the_syllabus():
+    intro = (ROOT / "intro.md").read_text()
+    missing = [p["title"] for p in syllabus.parts() if p["title"] not in intro]
+    assert not missing, f"intro.md does not list these parts: {missing}"
+
+
+def test_the_rules_catch_a_bad_notebook():
+    """The rules can fail: an out-of-order notebook with an error output and a wrong ID is refused."""
+    bad = {"cells": [
+        {"cell_type": "code", "source": "1", "execution_count": 2, "outputs": [], "metadata": {}},
+        {"cell_type": "code", "source": "x", "execution_count": 1, "metadata": {},
+         "outputs": [{"output_type": "error", "ename": "NameError", "evalue": "x", "traceback": []}]},
+    ], "metadata": {"course": {"chapter": "softmax"}, "kernelspec": {"name": "ir"}}}
+    problems = execution_problems(bad, "book/x.ipynb")
+    assert len(problems) == 3 and "execution counts [2, 1]" in problems[0] and "NameError" in problems[1]
+    assert "belongs at book/03-softmax/softmax.ipynb" in chapter_problems(bad, "book/x.ipynb")[0]
+    bad["metadata"]["course"]["chapter"] = "no-such-chapter"
+    assert "not a chapter ID" in chapter_problems(bad, "book/x.ipynb")[0]
+    assert "book/x" not in toc_files()

@@ -1,0 +1,401 @@
+"""kernels/ptx: ldmatrix and mma.m16n8k16 fragment layouts, cp.async groups and the pipeline model,
+the CUDA kernels' SASS, and (on a GPU) the kernels against the emulation and torch."""
+import numpy as np
+import pytest
+import torch
+
+import kernels  # noqa: F401
+from kernels import inspect as ki
+from kernels import runtime
+from kernels.ptx import cp_async as ca
+from kernels.ptx import fragments as F
+from kernels.ptx import sass as S
+from kernels.testing import MismatchError, assert_close
+
+ARCHS = ("sm80", "sm90", "sm100", "sm120")
+GPU = pytest.mark.skipif(not runtime.runtime().on_gpu, reason="needs a CUDA GPU: the CUDA kernels are compiled and "
+                         "their SASS asserted on the CPU, but launching them needs a driver and a device")
+
+
+def small_ints(shape, seed, lo=-4, hi=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g).half()
+
+
+def random_half(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).half()
+
+
+# ---------------------------------------------------------------------------------------------
+# mma.m16n8k16 layouts
+
+
+@pytest.mark.parametrize("op", ["a", "b", "c"])
+def test_layouts_are_bijections(op):
+    F.check_layout(F.mma_layout(op), op)
+
+
+def test_layout_formulas_at_named_points():
+    a, b, c = F.mma_layout("a"), F.mma_layout("b"), F.mma_layout("c")
+    # lane 5: groupID 1, threadID_in_group 1
+    assert [tuple(x) for x in a[5]] == [(1, 2), (1, 3), (9, 2), (9, 3), (1, 10), (1, 11), (9, 10), (9, 11)]
+    assert [tuple(x) for x in b[5]] == [(2, 1), (3, 1), (10, 1), (11, 1)]
+    assert [tuple(x) for x in c[5]] == [(1, 2), (1, 3), (9, 2), (9, 3)]
+    assert tuple(c[31, 3]) == (15, 7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mma_reconstructs_the_product_exactly_from_32_threads(seed):
+    A, B = small_ints((16, 16), seed), small_ints((16, 8), seed + 100)
+    C = small_ints((16, 8), seed + 200).float()
+    D = F.mma_from_matrices(A, B, C)
+    assert torch.equal(D, A.float() @ B.float() + C)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mma_random_fp16_inputs(seed):
+    A, B = random_half((16, 16), seed), random_half((16, 8), seed + 7)
+    assert_close(F.mma_from_matrices(A, B), A.float() @ B.float(), dtype=torch.float32)
+
+
+def test_mma_adversarial_one_hot_inputs_find_every_position():
+    # A = e_i e_k^T, B = e_k e_j^T: D is one 1 at (i, j). Every (i, k) and every (k, j) pair is visited.
+    for i in range(16):
+        for k in range(16):
+            A = torch.zeros(16, 16, dtype=torch.float16)
+            A[i, k] = 1
+            B = torch.zeros(16, 8, dtype=torch.float16)
+            B[k, (i + k) % 8] = 1
+            want = torch.zeros(16, 8)
+            want[i, (i + k) % 8] = 1
+            assert torch.equal(F.mma_from_matrices(A, B), want), (i, k)
+
+
+def test_mma_extreme_values():
+    A = torch.full((16, 16), 65504.0, dtype=torch.float16)      # fp16 max
+    B = torch.eye(16, 8, dtype=torch.float16)
+    D = F.mma_from_matrices(A, B)
+    assert torch.equal(D, torch.full((16, 8), 65504.0))          # fp32 accumulator does not overflow
+    A[3, 4] = float("nan")
+    D = F.mma_from_matrices(A, B)
+    # NaN * 0 is NaN: the NaN reaches every dot product of its row, and no other
+    assert torch.isnan(D[3]).all() and torch.isnan(D).sum() == 8
+    big = torch.full((16, 16), 65504.0, dtype=torch.float16)
+    assert torch.equal(F.mma_from_matrices(big, big[:, :8]), torch.full((16, 8), 16 * 65504.0**2))
+
+
+def _swap(layout, i, j):
+    wrong = layout.copy()
+    wrong[:, [i, j]] = wrong[:, [j, i]]
+    return wrong
+
+
+WRONG_MMA = {
+    # a2,a3 are row g+8 and a4,a5 are column +8: swapping them is the classic misreading
+    "a: a2/a3 swapped with a4/a5": ("a", lambda: _swap(_swap(F.mma_layout("a"), 2, 4), 3, 5)),
+    "b: groupID as k, not n": ("b", lambda: np.stack([F.mma_layout("b")[..., 1] + 8 * (np.arange(4)[None] // 2),
+                                                     F.mma_layout("b")[..., 0] % 8], -1)),
+    "c: c1 and c2 swapped": ("c", lambda: _swap(F.mma_layout("c"), 1, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_MMA))
+def test_a_wrong_mma_layout_is_caught(case):
+    op, make = WRONG_MMA[case]
+    wrong = make()
+    A, B = random_half((16, 16), 1), random_half((16, 8), 2)
+    # fragments distributed by the wrong layout, multiplied by the hardware's (the ISA's) layout
+    frags = {"a": F.to_fragments(A, "a"), "b": F.to_fragments(B, "b")}
+    if op in frags:
+        frags[op] = F.to_fragments(A if op == "a" else B, op, wrong)
+    d = F.mma_m16n8k16(frags["a"], frags["b"])
+    D = F.from_fragments(d, "c", wrong if op == "c" else None)
+    with pytest.raises(MismatchError):
+        assert_close(D, A.float() @ B.float(), dtype=torch.float32, name=case)
+
+
+def test_check_layout_rejects_duplicates_and_out_of_range():
+    bad = F.mma_layout("c").copy()
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match=r"\(0, 1\) is held 2 times"):
+        F.check_layout(bad, "c")
+    bad = F.mma_layout("b").copy()
+    bad[3, 1] = (16, 0)
+    with pytest.raises(ValueError, match="outside the 16x8"):
+        F.check_layout(bad, "b")
+
+
+def test_mma_bad_inputs():
+    with pytest.raises(ValueError, match="a_frag must be torch.float16"):
+        F.mma_m16n8k16(torch.zeros(32, 8), torch.zeros(32, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="operand a must be"):
+        F.to_fragments(torch.zeros(8, 16), "a")
+    with pytest.raises(ValueError, match="operand must be"):
+        F.mma_layout("e")
+
+
+# ---------------------------------------------------------------------------------------------
+# ldmatrix
+
+
+def _smem(seed=0):
+    # 512 distinct 16-bit values so that every element is identifiable
+    return torch.randperm(512, generator=torch.Generator().manual_seed(seed)).to(torch.int16)
+
+
+@pytest.mark.parametrize("num", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_against_a_direct_reading_of_the_isa(num, trans):
+    smem = _smem(num)
+    # rows scattered through shared memory, 16-byte aligned, in a shuffled order
+    rows = torch.randperm(64, generator=torch.Generator().manual_seed(7))[:32] * 8
+    regs = F.ldmatrix(smem, rows.tolist(), num, trans)
+    assert regs.shape == (32, num, 2)
+    for lane in range(32):
+        for r in range(num):
+            mat = torch.stack([smem[int(rows[8 * r + q]):int(rows[8 * r + q]) + 8] for q in range(8)])  # matrix r
+            for j in range(2):
+                want = mat[2 * (lane % 4) + j, lane // 4] if trans else mat[lane // 4, 2 * (lane % 4) + j]
+                assert regs[lane, r, j] == want
+
+
+def test_ldmatrix_ignores_addresses_of_unused_lanes():
+    smem = _smem()
+    addrs = [8 * i for i in range(32)]
+    base = F.ldmatrix(smem, addrs, 1)
+    addrs2 = addrs[:8] + [0] * 24
+    assert torch.equal(F.ldmatrix(smem, addrs2, 1), base)
+
+
+def test_ldmatrix_x4_and_x2_trans_give_mma_fragments():
+    A, B = random_half((16, 16), 3), random_half((16, 8), 4)
+    assert torch.equal(F.ldmatrix_a_fragments(A), F.to_fragments(A, "a"))
+    assert torch.equal(F.ldmatrix_b_fragments(B), F.to_fragments(B, "b"))
+    d = F.mma_m16n8k16(F.ldmatrix_a_fragments(A), F.ldmatrix_b_fragments(B))
+    assert_close(F.from_fragments(d, "c"), A.float() @ B.float(), dtype=torch.float32)
+
+
+def test_a_wrong_ldmatrix_layout_is_caught():
+    B = random_half((16, 8), 5)
+    smem = B.contiguous().view(-1)
+    # forgetting .trans: the non-transposed load of a k-major B tile
+    wrong = F.ldmatrix(smem, F.b_tile_addresses(), 2, trans=False).reshape(32, 4)
+    assert not torch.equal(wrong, F.to_fragments(B, "b"))
+    # a layout with the two halves of each register swapped
+    lay = F.ldmatrix_layout(4)[:, :, ::-1].copy()
+    A = random_half((16, 16), 6)
+    regs = F.ldmatrix(A.view(-1), F.a_tile_addresses(), 4, layout=lay).reshape(32, 8)
+    d = F.mma_m16n8k16(regs, F.to_fragments(B, "b"))
+    with pytest.raises(MismatchError):
+        assert_close(F.from_fragments(d, "c"), A.float() @ B.float(), dtype=torch.float32)
+
+
+def test_ldmatrix_bad_inputs():
+    smem = _smem()
+    with pytest.raises(ValueError, match="num must be 1, 2 or 4"):
+        F.ldmatrix(smem, [0] * 32, 3)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        F.ldmatrix(smem, [4] + [0] * 31, 1)
+    with pytest.raises(ValueError, match="outside shared memory"):
+        F.ldmatrix(smem, [512] + [0] * 31, 1)
+    with pytest.raises(ValueError, match="one entry per lane"):
+        F.ldmatrix(smem, [0] * 8, 1)
+    with pytest.raises(ValueError, match="16-bit"):
+        F.ldmatrix(smem.float(), [0] * 32, 1)
+
+
+def test_pack_halves_puts_element_zero_in_the_low_half():
+    x = torch.tensor([1.0, 2.0], dtype=torch.float16)
+    w = int(F.pack_halves(x)[0]) & 0xFFFFFFFF
+    assert w & 0xFFFF == 0x3C00 and w >> 16 == 0x4000
+    assert torch.equal(F.unpack_halves(F.pack_halves(x)), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# cp.async groups and the pipeline model
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("n_tiles", [1, 2, 7])
+def test_pipelined_tile_sums(stages, n_tiles):
+    x = torch.randn(n_tiles, 48, generator=torch.Generator().manual_seed(stages * 10 + n_tiles))
+    for eager in (False, True):
+        assert_close(ca.pipelined_tile_sums(x, stages, eager=eager), ca.tile_sums_ref(x), dtype=torch.float32)
+
+
+def test_a_too_weak_wait_is_caught_by_the_lazy_schedule_and_hidden_by_the_eager_one():
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(MismatchError):
+        assert_close(ca.pipelined_tile_sums(x, 3, wait=2), ca.tile_sums_ref(x), dtype=torch.float32)
+    # the same bug passes when copies happen to land at once: why the emulation defers them
+    assert_close(ca.pipelined_tile_sums(x, 3, wait=2, eager=True), ca.tile_sums_ref(x), dtype=torch.float32)
+
+
+def test_group_semantics():
+    unit = ca.AsyncCopyUnit()
+    src = torch.arange(12.0).reshape(3, 4)
+    dst = torch.zeros(3, 4)
+    for i in range(3):
+        unit.cp_async(dst[i], src[i])
+        unit.commit_group()
+    assert unit.pending == 3 and dst.abs().sum() == 0      # nothing has landed yet (lazy)
+    unit.wait_group(1)                                     # the two oldest groups complete
+    assert torch.equal(dst[:2], src[:2]) and dst[2].abs().sum() == 0 and unit.pending == 1
+    unit.commit_group()                                    # an empty group counts as a group
+    assert unit.pending == 2
+    unit.wait_all()
+    assert torch.equal(dst, src) and unit.pending == 0
+    with pytest.raises(ValueError):
+        unit.wait_group(-1)
+    with pytest.raises(ValueError, match="differs"):
+        unit.cp_async(dst[0], src[0, :2])
+    with pytest.raises(ValueError, match="stages >= 2"):
+        ca.pipelined_tile_sums(src, 1)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
+def test_timeline_matches_the_steady_state_formula(stages):
+    kw = dict(latency=800.0, transfer=100.0, compute=250.0)
+    n = 240
+    tl = ca.pipeline_timeline(n, stages, **kw)
+    period = (tl.compute_start[-1] - tl.compute_start[n // 2]) / (n - 1 - n // 2)
+    assert period == pytest.approx(ca.steady_state_period(stages, **kw), rel=0.02)
+    for i in range(n):                       # causality: compute waits for its copy, copies for their issue
+        assert tl.compute_start[i] >= tl.copy_done[i] - 1e-9
+        assert tl.copy_done[i] >= tl.copy_issue[i] + kw["latency"] - 1e-9
+
+
+def test_one_more_stage_never_hurts_and_stops_helping_once_compute_bound():
+    kw = dict(latency=800.0, transfer=100.0, compute=250.0)
+    totals = [ca.pipeline_timeline(64, s, **kw).total for s in range(1, 9)]
+    assert all(b <= a + 1e-9 for a, b in zip(totals, totals[1:]))
+    # latency / (S - 1) <= compute from S = 5 on: the period is the compute time
+    assert ca.steady_state_period(5, **kw) == 250.0 == ca.steady_state_period(8, **kw)
+
+
+def test_timeline_bad_inputs():
+    with pytest.raises(ValueError):
+        ca.pipeline_timeline(0, 2, latency=1, transfer=1, compute=1)
+    with pytest.raises(ValueError, match="latency"):
+        ca.pipeline_timeline(4, 2, latency=-1, transfer=1, compute=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# SASS of the CUDA kernels, read from nvcc's output for each architecture
+
+
+@pytest.fixture(scope="module")
+def cuda_builds():
+    return {(name, arch): ki.compile_cuda(name, arch=arch) for name in ("cp_async", "ldmatrix", "mma") for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cp_async_sass(cuda_builds, arch):
+    b = cuda_builds[("cp_async", arch)]
+    ptx = ki.families(b.ptx, "ptx")
+    assert ptx["cp.async"] >= 2 and ptx["cp.async.commit_group"] >= 2 and ptx["cp.async.wait_group"] >= 2
+    ops = ki.instructions(b.sass, "sass")
+    assert ops["LDGSTS.E.BYPASS.128"] >= 2          # .cg 16-byte copies bypass L1
+    assert ops["LDGDEPBAR"] >= 2                    # commit_group
+    assert ops["DEPBAR.LE"] >= 2                    # wait_group N: wait until <= N outstanding
+    sass = "\n".join(line for line in b.sass.splitlines() if "DEPBAR.LE" in line)
+    assert "SB0, 0x1" in sass and "SB0, 0x0" in sass  # wait_group 1 (STAGES-2) and wait_group 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ldmatrix_sass_per_kernel(cuda_builds, arch):
+    sass = cuda_builds[("ldmatrix", arch)].sass
+    want = {"ldmatrix_x1": "LDSM.16.M88", "ldmatrix_x2": "LDSM.16.M88.2", "ldmatrix_x4": "LDSM.16.M88.4",
+            "ldmatrix_x1_trans": "LDSM.16.MT88", "ldmatrix_x2_trans": "LDSM.16.MT88.2", "ldmatrix_x4_trans": "LDSM.16.MT88.4"}
+    for kernel, opcode in want.items():
+        ldsm = {k: v for k, v in S.opcodes(sass, kernel).items() if k.startswith("LDSM")}
+        assert ldsm == {opcode: 1}, (kernel, ldsm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mma_sass_per_kernel(cuda_builds, arch):
+    b = cuda_builds[("mma", arch)]
+    assert ki.families(b.ptx, "ptx")["mma.sync"] >= 3  # one per kernel; nvcc unrolls mma_gemm's k loop
+    assert S.opcodes(b.sass, "mma_m16n8k16_fragments")["HMMA.16816.F32"] == 1
+    tile = S.opcodes(b.sass, "mma_m16n8k16_tile")
+    assert tile["HMMA.16816.F32"] == 1 and tile["LDSM.16.M88.4"] == 1 and tile["LDSM.16.MT88.2"] == 1
+    assert S.opcodes(b.sass, "mma_gemm")["HMMA.16816.F32"] >= 1
+
+
+def test_split_functions_errors():
+    with pytest.raises(ValueError, match="Function"):
+        S.split_functions("no functions here")
+
+
+def test_unknown_architecture_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown architecture"):
+        ki.compile_cuda("mma", arch="sm70")
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: the real instructions against the emulation and torch
+
+
+@GPU
+def test_gpu_mma_fragments_match_the_emulation():
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("mma")
+    A, B = random_half((16, 16), 11), random_half((16, 8), 12)
+    C = torch.randn(16, 8, generator=torch.Generator().manual_seed(13))
+    a = F.pack_halves(F.to_fragments(A, "a")).cuda()
+    b = F.pack_halves(F.to_fragments(B, "b")).cuda()
+    c = F.to_fragments(C, "c").contiguous().cuda()
+    d = torch.empty(32, 4, device="cuda")
+    mod.launch("mma_m16n8k16_fragments", 1, 32, a, b, c, d)
+    want = F.mma_m16n8k16(F.to_fragments(A, "a"), F.to_fragments(B, "b"), F.to_fragments(C, "c"))
+    assert_close(d.cpu(), want, dtype=torch.float32)
+    assert_close(F.from_fragments(d.cpu(), "c"), A.float() @ B.float() + C, dtype=torch.float32)
+
+
+@GPU
+def test_gpu_mma_tile_and_gemm_match_torch():
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("mma")
+    A, B = small_ints((16, 16), 21), small_ints((16, 8), 22)
+    C = small_ints((16, 8), 23).float()
+    D = torch.empty(16, 8, device="cuda")
+    mod.launch("mma_m16n8k16_tile", 1, 32, A.cuda(), B.cuda(), C.cuda(), D)
+    assert torch.equal(D.cpu(), A.float() @ B.float() + C)
+    M, N, K = 48, 24, 80
+    A, B = random_half((M, K), 24).cuda(), random_half((K, N), 25).cuda()
+    D = torch.empty(M, N, device="cuda")
+    mod.launch("mma_gemm", (N // 8, M // 16), 32, A, B, D, M, N, K)
+    assert_close(D, A.float() @ B.float(), dtype=torch.float32)
+
+
+@GPU
+@pytest.mark.parametrize("num", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_gpu_ldmatrix_matches_the_emulation(num, trans):
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("ldmatrix")
+    smem = _smem(num)
+    rows = (torch.randperm(64, generator=torch.Generator().manual_seed(3))[:32] * 8).int()
+    out = torch.zeros(32 * num, dtype=torch.int32, device="cuda")
+    mod.launch(f"ldmatrix_x{num}" + ("_trans" if trans else ""), 1, 32, smem.cuda(), rows.cuda(), out)
+    want = F.pack_halves(F.ldmatrix(smem, rows.tolist(), num, trans).reshape(32, 2 * num))
+    assert torch.equal(out.cpu().reshape(32, num), want)
+
+
+@GPU
+@pytest.mark.parametrize("n_tiles", [1, 2, 9])
+def test_gpu_cp_async_tile_sums(n_tiles):
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("cp_async")
+    blocks, tile = 5, 512
+    x = torch.randn(blocks, n_tiles, tile, device="cuda")
+    out = torch.empty(blocks, n_tiles, device="cuda")
+    mod.launch("cp_async_tile_sums", blocks, 128, x, out, n_tiles)
+    assert_close(out.cpu().reshape(-1), ca.tile_sums_ref(x.cpu().reshape(-1, tile)), dtype=torch.float32,
+                 baseline=ca.tile_sums_ref(x.reshape(-1, tile)).cpu())
+    assert_close(ca.pipelined_tile_sums(x.cpu().reshape(-1, tile), 3), out.cpu().reshape(-1), dtype=torch.float32)
