@@ -173,11 +173,12 @@ def test_bad_input_refused():
 # ---------------------------------------------------------------------------------------------- broken variants are caught
 
 @triton.jit
-def _fwd_no_mask_kernel(gate_ptr, up_ptr, h_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(gate_ptr + offs).to(tl.float32)           # BROKEN: unmasked loads read past the end
-    u = tl.load(up_ptr + offs).to(tl.float32)
-    tl.store(h_ptr + offs, (mlp._act(g, ACTIVATION) * u).to(h_ptr.dtype.element_ty), mask=offs < n)
+def _fwd_no_program_offset_kernel(gate_ptr, up_ptr, h_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)                            # BROKEN: every program does the first block
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, (mlp._act(g, ACTIVATION) * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -202,11 +203,14 @@ def _bwd_wrong_derivative_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr, n
     tl.store(dgate_ptr + offs, (dh * u * s).to(dgate_ptr.dtype.element_ty), mask=mask)  # BROKEN: silu' is not sigmoid
 
 
-def test_broken_unmasked_forward_is_caught_by_canary(monkeypatch):
+def test_broken_block_indexing_is_caught(monkeypatch):
+    """An elementwise kernel's load mask cannot change the outputs it stores (each lane is independent),
+    so the indexing mistake to catch is in the offsets: here every program writes the first block."""
     g, u, d = _t((5, 30), scale=3.0), _t((5, 30), seed=1), _t((5, 30), seed=2)
-    monkeypatch.setattr(mlp, "_glu_fwd_kernel", _fwd_no_mask_kernel)
+    _check("swiglu", g, u, d, block_size=64)
+    monkeypatch.setattr(mlp, "_glu_fwd_kernel", _fwd_no_program_offset_kernel)
     with pytest.raises(MismatchError, match="swiglu h"):
-        _check("swiglu", g, u, d, gate_in=nan_canary(g), up_in=nan_canary(u), block_size=64)
+        _check("swiglu", g, u, d, block_size=64)
 
 
 def test_broken_activation_is_caught(monkeypatch):
