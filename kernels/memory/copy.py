@@ -58,6 +58,8 @@ def bench_copy(sizes=(2**20, 2**24, 2**27), dtype=torch.float16, *, block: int =
 
     Rows: n, dtype, bytes, ms (median), GB/s = bytes / time, and torch's own ``clone`` GB/s beside it.
     """
+    if not runtime.runtime().on_gpu:
+        raise bench.NoGPUError(f"bench_copy measures GPU bandwidth; there is no GPU here. {bench.missing_note(BENCH_NAME)}")
     rows = []
     for n in sizes:
         x = torch.randn(n, device="cuda").to(dtype)
