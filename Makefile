@@ -32,6 +32,10 @@ test: $(STAMP)
 execute: $(STAMP)
 	$(PY) -m tools.notebooks execute book
 
+# Train the course's tiny GPT (minutes on a CPU); the checkpoint is committed, nbval never retrains it.
+model: $(STAMP)
+	$(PY) -m kernels.model.train
+
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=labs
 

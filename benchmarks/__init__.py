@@ -1,0 +1,1 @@
+"""GPU benchmarks of the course's kernels; results land in benchmarks/results/."""
