@@ -276,3 +276,36 @@ def table(keys=None) -> list[dict]:
                      "regs/SM": g.registers_per_sm, "L2 MiB": g.l2_mib, "memory GB": g.hbm_gib,
                      "GB/s": g.hbm_bandwidth_gbs, **{f"{d} TF": g.peak_tflops.get(d) for d in DTYPES}})
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# On-chip rates, for the memory-hierarchy chapter's bandwidths
+
+SMEM_BANKS = 32                 # shared memory: 32 banks, each 32 bits wide per clock (CUDA C++ Programming Guide,
+SMEM_BANK_BYTES = 4             # "Shared Memory" under compute capabilities 5.x and later; nvidia2025cudaguide)
+
+# Dense FP16 tensor-core FLOP per clock per SM. A100: 4 tensor cores x 256 FP16 FMA per clock
+# (nvidia2020a100whitepaper) = 2048 FLOP. H100: twice the A100 SM's MMA rate clock for clock
+# (nvidia2022h100whitepaper) = 4096 FLOP.
+TENSOR_FP16_FLOP_PER_CLOCK_PER_SM = {"sm80": 2048, "sm90": 4096}
+
+# A100: 1410 MHz boost clock and an L2 read bandwidth of 5120 bytes per clock (nvidia2020a100whitepaper).
+BOOST_CLOCK_MHZ = {"A100": 1410}
+L2_BYTES_PER_CLOCK = {"A100": 5120}
+
+
+def boost_clock_mhz(g: GPU | str) -> float:
+    """The boost clock: printed in the whitepaper for A100; for H100/H200 implied by the dense FP16
+    peak and the per-SM tensor rate: peak / (SMs x FLOP per clock per SM)."""
+    g = gpu(g)
+    if g.key in BOOST_CLOCK_MHZ:
+        return float(BOOST_CLOCK_MHZ[g.key])
+    if g.arch in TENSOR_FP16_FLOP_PER_CLOCK_PER_SM:
+        return g.peak("fp16") * 1e12 / (g.sms * TENSOR_FP16_FLOP_PER_CLOCK_PER_SM[g.arch]) / 1e6
+    raise KeyError(f"no documented clock or per-SM tensor rate for {g.key} ({g.arch})")
+
+
+def smem_bandwidth_gbs(g: GPU | str) -> float:
+    """Aggregate shared-memory bandwidth: SMs x 32 banks x 4 bytes x clock, in GB/s."""
+    g = gpu(g)
+    return g.sms * SMEM_BANKS * SMEM_BANK_BYTES * boost_clock_mhz(g) * 1e6 / 1e9

@@ -119,3 +119,13 @@ def test_a_wrong_register_rule_is_caught(monkeypatch):
     monkeypatch.setattr(hw, "REGISTER_ALLOCATION_UNIT", 1)
     monkeypatch.setattr(hw, "SM_PARTITIONS", 1)
     assert hw.occupancy("A100", 32, 80, 0).limits["registers"] != 24
+
+
+def test_clock_and_on_chip_bandwidths_agree_with_the_peaks():
+    # A100: 108 SMs x 2048 FLOP/clock x 1410 MHz is the datasheet's 312 TFLOPS
+    a = hw.gpu("A100")
+    assert a.sms * hw.TENSOR_FP16_FLOP_PER_CLOCK_PER_SM["sm80"] * hw.boost_clock_mhz(a) * 1e6 == pytest.approx(312e12, rel=0.01)
+    assert hw.smem_bandwidth_gbs("A100") == pytest.approx(108 * 128 * 1.41)
+    assert 1.80e3 < hw.boost_clock_mhz("H100") < 1.85e3      # implied by 989.4 TFLOPS over 132 SMs
+    with pytest.raises(KeyError, match="no documented clock"):
+        hw.boost_clock_mhz("B200")

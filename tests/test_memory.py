@@ -8,7 +8,11 @@ from kernels.memory import copy as copy_mod
 from kernels.memory import roofline as rl
 from kernels.testing import MismatchError, assert_close, nan_canary
 
-GPU = pytest.mark.skipif(not runtime.runtime().on_gpu, reason="needs a CUDA GPU: bandwidth is only measured on a GPU")
+_SKIP_CPU = pytest.mark.skipif(not runtime.runtime().on_gpu, reason="needs a CUDA GPU: bandwidth is only measured on a GPU")
+
+
+def GPU(fn):
+    return pytest.mark.gpu(_SKIP_CPU(fn))
 DEV = runtime.device()
 
 

@@ -13,8 +13,12 @@ from kernels.ptx import sass as S
 from kernels.testing import MismatchError, assert_close
 
 ARCHS = ("sm80", "sm90", "sm100", "sm120")
-GPU = pytest.mark.skipif(not runtime.runtime().on_gpu, reason="needs a CUDA GPU: the CUDA kernels are compiled and "
+_SKIP_CPU = pytest.mark.skipif(not runtime.runtime().on_gpu, reason="needs a CUDA GPU: the CUDA kernels are compiled and "
                          "their SASS asserted on the CPU, but launching them needs a driver and a device")
+
+
+def GPU(fn):
+    return pytest.mark.gpu(_SKIP_CPU(fn))
 
 
 def small_ints(shape, seed, lo=-4, hi=5):
@@ -410,3 +414,79 @@ def test_gpu_cp_async_tile_sums(n_tiles):
     assert_close(out.cpu().reshape(-1), tiles.double().sum(1), dtype=torch.float32, baseline=ca.tile_sums_ref(tiles))
     assert_close(ca.pipelined_tile_sums(tiles, 3), tiles.double().sum(1), dtype=torch.float32,
                  baseline=ca.tile_sums_ref(tiles))
+
+
+# ---------------------------------------------------------------------------------------------
+# ptxas probes: what each architecture accepts
+
+
+EXPECTED_SUPPORT = {  # sm_80, sm_90a, sm_100a, sm_120a, as the PTX ISA's target notes say
+    "ldmatrix": "YYYY", "mma.sync f16": "YYYY", "cp.async": "YYYY", "mma.sync bf16": "YYYY", "mma.sync tf32": "YYYY",
+    "wgmma": ".Y..", "wgmma fp8": ".Y..", "TMA": ".YYY", "clusters": ".YYY", "distributed smem": ".YYY",
+    "setmaxnreg": ".YYY", "tcgen05.mma": "..Y.", "TMEM": "..Y.", "two-CTA MMA": "..Y.", "FP6/FP4 tcgen05": "..Y.",
+    "FP4 convert": "..YY", "FP6/FP4 mma.sync": "...Y",
+}
+
+
+def test_support_matrix_matches_the_documented_targets():
+    from kernels.ptx import probe as P
+
+    matrix = P.support_matrix()
+    assert set(matrix) == set(EXPECTED_SUPPORT)
+    got = {k: "".join("Y" if p.accepted else "." for p in row.values()) for k, row in matrix.items()}
+    assert got == EXPECTED_SUPPORT
+    assert "not supported on .target 'sm_120a'" in matrix["wgmma"]["sm_120a"].message
+
+
+def test_probe_rejects_a_made_up_instruction(monkeypatch):
+    from kernels.ptx import probe as P
+
+    fake = P.Feature("fake", "sm80", "not an instruction", "mma.sync.aligned.m99n8k16.row.col.f32.f16.f16.f32 {f0};", "x")
+    monkeypatch.setattr(P, "FEATURES", P.FEATURES + (fake,))
+    assert not P.probe("fake", "sm80").accepted
+    assert not P.support_matrix(archs=("sm80",), keys=["fake"])["fake"]["sm_80"].accepted
+    with pytest.raises(KeyError, match="unknown feature"):
+        P.probe("nope", "sm80")
+    with pytest.raises(ValueError, match="unknown architecture"):
+        P.probe("cp.async", "sm70")
+
+
+# ---------------------------------------------------------------------------------------------
+# mma_gemm, bank conflicts, the lab's mapping check
+
+
+def test_emulated_gemm_matches_torch():
+    A, B = random_half((48, 80), 31), random_half((80, 24), 32)
+    assert_close(F.mma_gemm(A, B), A.double() @ B.double(), dtype=torch.float32, baseline=A.float() @ B.float())
+    with pytest.raises(ValueError, match="M % 16"):
+        F.mma_gemm(random_half((20, 16), 0), random_half((16, 8), 0))
+
+
+def test_bank_conflicts():
+    assert F.ldmatrix_bank_conflicts([16 * r for r in range(32)]) == 1          # packed rows
+    assert F.ldmatrix_bank_conflicts([128 * r for r in range(32)]) == 8         # 128-byte row stride
+    assert F.ldmatrix_bank_conflicts([128 * r + 16 * (r % 8) for r in range(32)]) == 1  # XOR-style swizzle
+    assert F.ldmatrix_bank_conflicts([64 * r for r in range(32)]) == 4
+
+
+def test_product_through_mapping_accepts_the_isa_and_rejects_a_wrong_mapping():
+    A, B = small_ints((16, 16), 41), small_ints((16, 8), 42)
+    isa_a = lambda lane, i: tuple(F.mma_layout("a")[lane, i])  # noqa: E731
+    assert torch.equal(F.product_through_mapping(A, B, a_index=isa_a), A.float() @ B.float())
+    wrong_c = lambda lane, i: ((lane >> 2) + 8 * (i % 2), 2 * (lane % 4) + i // 2)  # noqa: E731
+    assert not torch.equal(F.product_through_mapping(A, B, c_index=wrong_c), A.float() @ B.float())
+    with pytest.raises(ValueError, match="held"):
+        F.product_through_mapping(A, B, b_index=lambda lane, i: (0, 0))
+    with pytest.raises(TypeError, match="must return"):
+        F.product_through_mapping(A, B, b_index=lambda lane, i: 3)
+
+
+def test_matmul_needs_divisibility_hints_for_cp_async():
+    # the foundation's quick compile saw no LDGSTS: the strides were not known to be multiples of 16
+    from kernels.gemm.matmul import _matmul_kernel
+
+    sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32",
+           "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+    tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+    plain = ki.compile_triton(_matmul_kernel, sig, arch="sm80", constexprs=tiles)
+    assert plain.families("sass")["LDGSTS"] == 0

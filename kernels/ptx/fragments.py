@@ -262,3 +262,70 @@ def pack_halves(x: torch.Tensor) -> torch.Tensor:
 def unpack_halves(words: torch.Tensor, dtype=torch.float16) -> torch.Tensor:
     """Inverse of :func:`pack_halves`."""
     return words.contiguous().view(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole GEMM from m16n8k16 steps, as kernels/cuda/mma.cu's mma_gemm computes it
+
+
+def mma_gemm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """D = A @ B (fp32) for fp16 A (M, K), B (K, N) with M % 16 == N % 8 == K % 16 == 0, one emulated
+    warp per 16x8 tile of D stepping K by 16, the accumulator carried in the C/D fragments."""
+    M, K = A.shape
+    K2, N = B.shape
+    if K != K2 or M % 16 or N % 8 or K % 16:
+        raise ValueError(f"mma_gemm needs A (M, K), B (K, N) with M % 16 == 0, N % 8 == 0, K % 16 == 0; "
+                         f"got A {tuple(A.shape)} and B {tuple(B.shape)}")
+    D = torch.empty(M, N, dtype=torch.float32)
+    for m0 in range(0, M, 16):
+        for n0 in range(0, N, 8):
+            d = torch.zeros(WARP, 4)
+            for k0 in range(0, K, 16):
+                d = mma_m16n8k16(to_fragments(A[m0:m0 + 16, k0:k0 + 16].half(), "a"),
+                                 to_fragments(B[k0:k0 + 16, n0:n0 + 8].half(), "b"), d)
+            D[m0:m0 + 16, n0:n0 + 8] = from_fragments(d, "c")
+    return D
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared-memory banks under ldmatrix
+
+
+def ldmatrix_bank_conflicts(row_addresses_bytes, num: int = 4) -> int:
+    """The worst n-way bank conflict of an ldmatrix: each 8x8 matrix is read in one phase of
+    8 rows x 16 bytes = 128 bytes, which is conflict-free only if its 8 rows fall in 8 distinct
+    groups of 4 banks (32 banks of 4 bytes: CUDA C++ Programming Guide, shared memory).
+    Returns 1 for conflict-free, 8 when all 8 rows of a matrix hit the same 4 banks."""
+    _check_num(num)
+    addrs = [int(a) for a in row_addresses_bytes]
+    worst = 1
+    for m in range(num):
+        phase = addrs[8 * m: 8 * m + 8]
+        banks: dict[int, set] = {}
+        for a in phase:
+            for word in range(a // 4, a // 4 + 4):       # the 4 banks a 16-byte row covers
+                banks.setdefault(word % 32, set()).add(word)
+        worst = max(worst, max(len(words) for words in banks.values()))
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# The lab: a learner's index functions, checked by reconstructing the product
+
+
+def product_through_mapping(A: torch.Tensor, B: torch.Tensor, *, a_index=None, b_index=None, c_index=None) -> torch.Tensor:
+    """A @ B computed by the emulated warp, with the learner's mapping for any of A, B, C.
+
+    The given ``*_index(lane, i) -> (row, col)`` functions decide where the learner puts each
+    element of A and B into the 32 threads' registers, and where they read each element of D
+    back; the tensor core itself (the emulation) uses the ISA's layouts. Only a mapping equal to
+    the ISA's gives back A @ B.
+    """
+    lay = {}
+    for op, fn in (("a", a_index), ("b", b_index), ("c", c_index)):
+        lay[op] = mma_layout(op) if fn is None else layout_from_function(fn, op)
+        check_layout(lay[op], op)
+    a = to_fragments(A.half(), "a", lay["a"])
+    b = to_fragments(B.half(), "b", lay["b"])
+    d = mma_m16n8k16(a, b)                       # the hardware: ISA layouts
+    return from_fragments(d, "c", lay["c"])
