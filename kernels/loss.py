@@ -87,7 +87,8 @@ def _cross_entropy_kernel(
     lse = m_row + tl.log(s_row)
     target_logit = tl.sum(x_t, axis=0)
     mean_x = tl.sum(x_sum, axis=0) / V
-    loss = lse - (1.0 - smoothing) * target_logit - smoothing * mean_x
+    loss = lse - (1.0 - smoothing) * target_logit
+    loss -= tl.where(smoothing > 0, smoothing * mean_x, 0.0)   # no 0 * -inf = NaN when eps = 0
     tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
 
     # Sweep 2: gradient (softmax - (1 - eps) onehot - eps / V) * grad_scale, zero for ignored rows.

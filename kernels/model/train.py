@@ -37,6 +37,24 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup: int, total: int) -
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def adamw_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, *,
+                 lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+    """One AdamW step on p in place, written out (Loshchilov and Hutter), as torch.optim.AdamW does it.
+
+        p <- p - lr * wd * p                              (decoupled weight decay: not part of the gradient)
+        m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) g^2   (first and second moment estimates)
+        p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (bias-corrected, t = step >= 1)
+    """
+    b1, b2 = betas
+    p.mul_(1 - lr * weight_decay)
+    m.mul_(b1).add_(grad, alpha=1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    m_hat = m / (1 - b1 ** step)
+    v_hat = v / (1 - b2 ** step)
+    p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+
+
 def param_groups(model: GPT, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (embedding included), none on the RMSNorm gains."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
