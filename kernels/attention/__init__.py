@@ -1,2 +1,4 @@
 """Attention kernels. Each mechanism is a module; this package only re-exports them."""
 from kernels.attention.decode import decode_attention, decode_attention_ref
+from kernels.attention.reference import attention_ref, causal_mask
+from kernels.attention.flash import flash_attention, flash_attention_v1

@@ -1,0 +1,503 @@
+"""FlashAttention in Triton: exact attention without an (N x N) matrix in memory, forward and backward.
+
+For one (batch, query head), with queries split into row blocks Q_i (BLOCK_M rows) and keys/values
+into column blocks K_j, V_j (BLOCK_N rows), the forward walks j and keeps per row a running max m,
+a running sum l and an unnormalised output accumulator A (the online softmax applied to tiles):
+
+    S_ij   = sm_scale * Q_i K_j^T                         (BLOCK_M, BLOCK_N), on chip only
+    m_new  = max(m, rowmax(S_ij))
+    alpha  = exp(m - m_new)                                rescales what was summed under the old max
+    P_ij   = exp(S_ij - m_new)
+    l      = alpha * l + rowsum(P_ij)
+    A      = alpha * A + P_ij V_j                          <- forgetting alpha here is the classic bug
+    O_i    = A / l,   lse_i = m + log l                    once, after the last block
+
+The exponentials use exp2 with the scale folded into log2(e) * sm_scale, which is one multiply
+cheaper per score; m is then in log2 units, converted back for lse.
+
+Two loop orders are kept, because the chapters compare them:
+
+* ``_flash_fwd_v1_kernel`` (FlashAttention, Dao et al. 2022, Algorithm 1): one program per
+  (batch, head); the **outer** loop runs over K/V blocks and the inner loop over Q blocks, so the
+  partial O_i, l_i, m_i go back to HBM after every K/V block, and O_i is renormalised (divided by
+  l) at every step. Forward only.
+* ``_flash_fwd_kernel`` (FlashAttention-2, Dao 2023): one program per (Q block, batch, head) --
+  parallel over the sequence -- with the K/V loop **inside**, so m, l, A stay in registers and O is
+  divided by l once. This is the public forward.
+
+Backward (FlashAttention-2): from the saved lse the probabilities are recomputed tile by tile,
+P_ij = exp(S_ij - lse_i), and with D_i = rowsum(dO_i * O_i) (which equals rowsum(P * dP), one
+cheap pass instead of a reduction over the N columns of dP):
+
+    dV_j += P_ij^T dO_i        dP_ij = dO_i V_j^T        dS_ij = P_ij * (dP_ij - D_i)
+    dK_j += sm_scale * dS_ij^T Q_i                         dQ_i += sm_scale * dS_ij K_j
+
+``_flash_bwd_dkdv_kernel`` runs one program per (K/V block, batch, K/V head) and loops over every
+query head of its group and every Q block, so GQA gradients are summed over the group in
+registers (no repeated K/V, no atomics); ``_flash_bwd_dq_kernel`` runs one program per (Q block,
+batch, query head) and loops over K/V blocks.
+
+Masking conventions are those of :mod:`kernels.attention.reference`: causal is bottom-right
+aligned (query i sees key j when j <= i + Nk - Nq); fully masked rows give output 0, lse -inf
+and zero gradients. Head dims up to 128 are padded to a power of two of at least 16 (80 and 96
+run as 128 with the extra columns masked).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import runtime
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward, FlashAttention-2 loop order (the public kernel)
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh,
+    Hq, Nq, Nk, D, GROUP, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RESCALE: tl.constexpr, MASK_KV: tl.constexpr,
+):
+    start_m = tl.program_id(0)                     # which block of BLOCK_M query rows
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP                                # the K/V head this query head reads (GQA/MQA)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)   # (BLOCK_M,) query rows
+    offs_n = tl.arange(0, BLOCK_N)                       # (BLOCK_N,) key rows within a block
+    offs_d = tl.arange(0, BLOCK_D)                       # (BLOCK_D,) head dim, padded
+    m_ok = offs_m < Nq
+    d_ok = offs_d < D
+
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)          # Q_i, (BLOCK_M, BLOCK_D)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)                # running sum of exp2(s - m)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)        # running sum of exp2(s - m) V (unnormalised)
+
+    shift = Nk - Nq                                       # bottom-right causal alignment
+    if CAUSAL:
+        # keys beyond the last visible one of this block's last row are never needed
+        hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
+    else:
+        hi = Nk
+    for start_n in range(0, hi, BLOCK_N):
+        n = start_n + offs_n
+        n_ok = n < Nk
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # S_ij in log2 units
+        if MASK_KV:
+            visible = n_ok[None, :]
+        else:
+            visible = n[None, :] >= 0                      # broken on purpose: the tail's padding counts
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))        # m_new = max(m, rowmax(S_ij))
+        # a row with nothing visible yet has m_new = -inf; exponentiate against 0 so no NaN appears
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)                     # alpha = exp(m - m_new)
+        p = tl.exp2(s - m_safe[:, None])                  # P_ij = exp(S_ij - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)             # l = alpha l + rowsum(P_ij)
+        if RESCALE:
+            acc = acc * alpha[:, None]                    # A = alpha A ...
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)   # ... + P_ij V_j
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)                  # fully masked row: A = 0, output 0
+    o = acc / l_safe[:, None]                             # O_i = A / l, once
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+             o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse, mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward, FlashAttention(-1) loop order: outer loop over K/V blocks, partial O in HBM
+
+
+@triton.jit
+def _flash_fwd_v1_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    Hq, Nq, Nk, D, GROUP, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """o_ptr (fp32), m_ptr, l_ptr are contiguous scratch of shape (B*Hq, Nq[, BLOCK_D]), initialised
+    to 0, -inf, 0: Algorithm 1 keeps O, l, m in HBM between K/V blocks."""
+    bh = tl.program_id(0)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    shift = Nk - Nq
+    for start_n in range(0, Nk, BLOCK_N):                 # outer: K_j, V_j loaded once each
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < Nk
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        for start_m in range(0, Nq, BLOCK_M):             # inner: every Q_i, with O_i, l_i, m_i from HBM
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < Nq
+            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                        + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            row = bh * Nq + offs_m
+            o_ptrs = o_ptr + row[:, None] * BLOCK_D + offs_d[None, :]
+            o_old = tl.load(o_ptrs, mask=m_ok[:, None], other=0.0)           # O_i (normalised)
+            m_old = tl.load(m_ptr + row, mask=m_ok, other=float("-inf"))     # m_i
+            l_old = tl.load(l_ptr + row, mask=m_ok, other=0.0)               # l_i
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (n[None, :] <= offs_m[:, None] + shift)
+            s = tl.where(visible, s, float("-inf"))
+            m_blk = tl.max(s, axis=1)                                         # m~_ij
+            m_blk_safe = tl.where(m_blk == float("-inf"), 0.0, m_blk)
+            p = tl.exp2(s - m_blk_safe[:, None])                              # P~_ij
+            l_blk = tl.sum(p, axis=1)                                         # l~_ij
+            m_new = tl.maximum(m_old, m_blk)
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_old = l_old * tl.exp2(m_old - m_new_safe)
+            a_blk = tl.exp2(m_blk - m_new_safe)
+            l_new = a_old + a_blk * l_blk
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            l_div = tl.where(l_new > 0, l_new, 1.0)
+            # O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~ - m_new} P~ V_j): renormalised every step
+            o_new = (a_old[:, None] * o_old + a_blk[:, None] * pv) / l_div[:, None]
+            tl.store(o_ptrs, o_new, mask=m_ok[:, None])
+            tl.store(m_ptr + row, m_new, mask=m_ok)
+            tl.store(l_ptr + row, l_new, mask=m_ok)
+            tl.debug_barrier()                            # the next K/V block reads what was just written
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward (FlashAttention-2)
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(
+    o_ptr, do_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    Hq, Nq, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta_i = D_i = rowsum(dO_i * O_i), (B*Hq, Nq) fp32."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < Nq)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh * Nq + offs_m, tl.sum(o * do, axis=1), mask=offs_m < Nq)
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    Hq, Hkv, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_DELTA: tl.constexpr,
+):
+    """One program per (K/V block j, batch, K/V head); dK_j, dV_j summed over the group's query heads."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < Nk
+    d_ok = offs_d < D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)                                     # K_j (BLOCK_N, BLOCK_D)
+    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)                                     # V_j
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    shift = Nk - Nq
+    if CAUSAL:
+        # the first query row that sees key start_n is start_n - shift; earlier Q blocks see none of K_j
+        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_gb + h * stride_gh
+        row_base = (b * Hq + h) * Nq
+        for start_m in range(lo, Nq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < Nq
+            qm = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd, mask=qm, other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)    # fully masked row: P = 0
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (BLOCK_M, BLOCK_N), log2 units
+            visible = m_ok[:, None] & n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+            p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)   # P_ij = exp(S_ij - lse_i)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)  # dV_j += P^T dO_i
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)                   # dP_ij = dO_i V_j^T
+            if USE_DELTA:
+                ds = p * (dp - delta[:, None])                                 # dS = P * (dP - D_i)
+            else:
+                ds = p * dp                                                    # broken on purpose
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)  # dK_j += dS^T Q_i
+    dk = dk * sm_scale
+    tl.store(dk_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_DELTA: tl.constexpr,
+):
+    """One program per (Q block i, batch, query head): dQ_i = sm_scale * sum_j dS_ij K_j."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Nq
+    d_ok = offs_d < D
+    qm = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=qm, other=0.0)
+    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                 mask=qm, other=0.0)
+    lse = tl.load(lse_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(delta_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    shift = Nk - Nq
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
+    else:
+        hi = Nk
+    for start_n in range(0, hi, BLOCK_N):
+        n = start_n + offs_n
+        n_ok = n < Nk
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
+        p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if USE_DELTA:
+            ds = p * (dp - delta[:, None])
+        else:
+            ds = p * dp
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)          # dQ_i += dS_ij K_j
+    dq = dq * sm_scale
+    tl.store(dq_ptr + (bh * Nq + offs_m[:, None]) * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_inputs(q, k, v, sm_scale, name="flash_attention") -> None:
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {arg} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: {arg} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+        if t.device.type != runtime.device().type:
+            raise ValueError(f"{name}: {arg} is on {t.device}, kernels run on {runtime.device()} here")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    B, Hq, Nq, D = q.shape
+    Bk, Hkv, Nk, Dk = k.shape
+    if Bk != B or Dk != D:
+        raise ValueError(f"{name}: q is (B={B}, Hq={Hq}, Nq={Nq}, D={D}) but k is (B={Bk}, Hkv={Hkv}, Nk={Nk}, D={Dk})")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv} (MHA, GQA or MQA)")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim D={D} must lie in [1, {MAX_HEAD_DIM}]")
+    if Nq < 1 or Nk < 1:
+        raise ValueError(f"{name}: sequence lengths must be at least 1, got Nq={Nq}, Nk={Nk}")
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
+        raise ValueError(f"{name}: sm_scale must be a finite number or None, got {sm_scale!r}")
+
+
+def _blocks(nq: int, nk: int, d: int, block_m: int | None, block_n: int | None) -> tuple[int, int, int]:
+    """Power-of-two tiles of at least 16 (tl.dot's minimum), no larger than the problem needs."""
+    bm = block_m or 64
+    bn = block_n or 64
+    for nm, val in (("block_m", bm), ("block_n", bn)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"flash_attention: {nm} must be a power of two >= 16, got {val}")
+    bm = min(bm, max(16, triton.next_power_of_2(nq)))
+    bn = min(bn, max(16, triton.next_power_of_2(nk)))
+    return bm, bn, max(16, triton.next_power_of_2(d))
+
+
+def _precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"   # fp32 inputs: full fp32 products, not tf32
+
+
+def _forward(q, k, v, causal: bool, sm_scale: float, *, block_m=None, block_n=None,
+             rescale: bool = True, mask_kv: bool = True):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
+    o = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(Nq, bm), B * Hq)
+    _flash_fwd_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
+        Hq, Nq, Nk, D, Hq // Hkv, sm_scale * LOG2E,
+        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
+        RESCALE=rescale, MASK_KV=mask_kv, num_warps=4 if bd <= 64 else 8, num_stages=2,
+    )
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, *, block_m=None, block_n=None,
+              use_delta: bool = True):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
+    group = Hq // Hkv
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, bm), B * Hq)](
+        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, D, BLOCK_M=bm, BLOCK_D=bd,
+    )
+    lse = lse.contiguous()
+    dq = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Nk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Nk, D), dtype=v.dtype, device=q.device)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
+                  USE_DELTA=use_delta, num_warps=4 if bd <= 64 else 8, num_stages=1)
+    _flash_bwd_dkdv_kernel[(triton.cdiv(Nk, bn), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, *strides,
+        Hq, Hkv, Nq, Nk, D, group, sm_scale, sm_scale * LOG2E, **consts,
+    )
+    _flash_bwd_dq_kernel[(triton.cdiv(Nq, bm), B * Hq)](
+        q, k, v, do, lse, delta, dq, *strides,
+        Hq, Nq, Nk, D, group, sm_scale, sm_scale * LOG2E, **consts,
+    )
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, block_m, block_n):
+        o, lse = _forward(q, k, v, causal, sm_scale, block_m=block_m, block_n=block_n)
+        ctx.save_for_backward(q, k, v, o, lse)      # O(N d) saved: no P, no S
+        ctx.args = (causal, sm_scale, block_m, block_n)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, sm_scale, block_m, block_n = ctx.args
+        dq, dk, dv = _backward(do, q, k, v, o, lse, causal, sm_scale, block_m=block_m, block_n=block_n)
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    sm_scale: float | None = None, *, return_lse: bool = False,
+                    block_m: int | None = None, block_n: int | None = None):
+    """Exact attention, FlashAttention-2 style, differentiable in q, k and v.
+
+    q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv (K/V heads are shared by
+    groups of query heads and never repeated in memory); any strides; fp16, bf16 or fp32; D <= 128.
+    ``causal`` masks bottom-right aligned (query i sees key j <= i + Nk - Nq). ``sm_scale``
+    defaults to 1/sqrt(D). Returns O (B, Hq, Nq, D) in q's dtype, and with ``return_lse`` also the
+    log-sum-exp (B, Hq, Nq) in fp32 (-inf on fully masked rows, whose output is 0).
+    """
+    _check_inputs(q, k, v, sm_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    o, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, block_m, block_n)
+    return (o, lse) if return_lse else o
+
+
+def flash_attention_v1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       sm_scale: float | None = None, *, return_lse: bool = False,
+                       block_m: int | None = None, block_n: int | None = None):
+    """FlashAttention-1 loop order (K/V outer, partial O, l, m through HBM), forward only.
+
+    Same interface and result as :func:`flash_attention`; kept so the chapters can compare loop orders.
+    """
+    _check_inputs(q, k, v, sm_scale, name="flash_attention_v1")
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
+    o_acc = torch.zeros((B * Hq, Nq, bd), dtype=torch.float32, device=q.device)
+    m = torch.full((B * Hq, Nq), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros((B * Hq, Nq), dtype=torch.float32, device=q.device)
+    _flash_fwd_v1_kernel[(B * Hq,)](
+        q, k, v, o_acc, m, l, *q.stride(), *k.stride(), *v.stride(),
+        Hq, Nq, Nk, D, Hq // Hkv, scale * LOG2E,
+        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
+    )
+    o = o_acc[..., :D].reshape(B, Hq, Nq, D).to(q.dtype)
+    if not return_lse:
+        return o
+    lse = torch.where(l > 0, (m + torch.log2(torch.where(l > 0, l, 1.0))) * LN2, float("-inf"))
+    return o, lse.reshape(B, Hq, Nq)

@@ -1,0 +1,83 @@
+"""Scaled dot-product attention in plain PyTorch: the reference every attention kernel is checked against.
+
+For one head, with queries Q (Nq, D), keys K (Nk, D), values V (Nk, D):
+
+    S = sm_scale * Q K^T                  (Nq, Nk)   sm_scale = 1/sqrt(D) unless given
+    P = softmax(S + mask)  row by row     (Nq, Nk)
+    O = P V                               (Nq, D)
+    lse_i = log sum_j exp(S_ij + mask_ij) (Nq,)      the log-sum-exp FlashAttention saves for its backward
+
+Shapes: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv. Query head h reads K/V
+head h // (Hq / Hkv): Hkv = Hq is multi-head attention, 1 < Hkv < Hq grouped-query attention,
+Hkv = 1 multi-query attention.
+
+The causal mask is aligned to the **bottom right** when Nq != Nk, as in FlashAttention-2: query i
+sees key j when j <= i + (Nk - Nq). With Nq = Nk this is the usual lower triangle (the diagonal
+stays visible). With Nq < Nk (a chunk of new queries after a cached prefix) the last query sees
+every key. With Nq > Nk the first Nq - Nk queries see no key at all: those rows are *fully masked*;
+this module defines their output as 0 and their lse as -inf (FlashAttention-2's convention),
+where a plain softmax would give 0/0 = NaN. PyTorch's ``is_causal=True`` aligns to the top left
+instead; ``torch.nn.attention.bias.causal_lower_right`` is the bottom-right form.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(nq: int, nk: int, device=None) -> torch.Tensor:
+    """(nq, nk) bool, True where query i may see key j: j <= i + (nk - nq) (bottom-right aligned)."""
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    return j <= i + (nk - nq)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    *,
+    upcast: bool = True,
+    return_lse: bool = False,
+):
+    """Attention written out in PyTorch, for MHA, GQA and MQA.
+
+    ``upcast=True`` (the reference): computed in fp32 from the given inputs (float64 stays float64)
+    and returned in that wide dtype. ``upcast=False``: every product and the softmax in the inputs'
+    own dtype -- PyTorch's own low-precision result, the *baseline* of the FlashAttention test rule.
+    With ``return_lse`` also returns lse (B, Hq, Nq) in fp32 (float64 kept).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention_ref: q, k, v must be 4-D (B, H, N, D), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"attention_ref: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dt = wide if upcast else q.dtype
+    group = Hq // Hkv
+    qf = q.to(dt)
+    kf = k.to(dt).repeat_interleave(group, dim=1)          # (B, Hq, Nk, D): fine for a reference
+    vf = v.to(dt).repeat_interleave(group, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * scale                # S = sm_scale Q K^T, (B, Hq, Nq, Nk)
+    Nk = k.shape[2]
+    if causal:
+        visible = causal_mask(Nq, Nk, device=q.device)
+        s = s.masked_fill(~visible, float("-inf"))
+        empty = ~visible.any(dim=1)                        # (Nq,) fully masked rows
+    else:
+        empty = torch.zeros(Nq, dtype=torch.bool, device=q.device)
+    # Fully masked rows: softmax of all -inf is NaN; give them zero weights (output 0), like FA2.
+    s_for_softmax = s.masked_fill(empty[:, None], 0.0)
+    p = torch.softmax(s_for_softmax, dim=-1)               # P = softmax(S), row by row
+    p = p.masked_fill(empty[:, None], 0.0)
+    o = p @ vf                                             # O = P V, (B, Hq, Nq, D)
+    if not return_lse:
+        return o
+    lse = torch.logsumexp(s.to(wide), dim=-1)              # -inf on fully masked rows
+    return o, lse

@@ -1,0 +1,246 @@
+"""kernels.attention.flash_attention (FlashAttention-2 forward and backward) and attention_ref.
+
+The checks follow the FlashAttention test rule: the kernel's error against a reference computed in
+higher precision from the same inputs must be within a small multiple of PyTorch's own error in
+the low dtype (``attention_ref(..., upcast=False)``).
+"""
+import kernels  # noqa: F401  (before triton)
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels import runtime
+from kernels.attention import attention_ref, flash_attention, flash_attention_v1
+from kernels.attention import flash as flash_mod
+from kernels.testing import MismatchError, assert_close, nan_canary
+
+DTYPES = runtime.runtime().check_dtypes
+DEVICE = runtime.device()
+
+
+def _qkv(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, Nq, D, generator=g) * scale).to(DEVICE, dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(DEVICE, dtype)
+    return q, k, v
+
+
+def _wide(t):
+    """The reference's precision: fp64 for fp32 inputs, fp32 for fp16/bf16 inputs."""
+    return t.double() if t.dtype == torch.float32 else t.float()
+
+
+def _check_forward(q, k, v, causal, name="flash_attention", **kw):
+    got = flash_attention(nan_canary(q, rows=True), nan_canary(k, rows=True), nan_canary(v, rows=True), causal, **kw)
+    ref = attention_ref(_wide(q), _wide(k), _wide(v), causal)
+    base = attention_ref(q, k, v, causal, upcast=False)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert_close(got, ref, dtype=q.dtype, baseline=base, name=name)
+    return got
+
+
+FORWARD_CASES = [
+    # B, Hq, Hkv, Nq,  Nk,  D,   causal
+    (1, 2, 2, 1, 1, 16, False),          # length 1
+    (1, 2, 2, 1, 1, 16, True),
+    (2, 4, 2, 7, 7, 32, True),           # smaller than a block; GQA group 2
+    (1, 4, 1, 100, 100, 64, True),       # MQA, masked tail, several blocks
+    (1, 2, 2, 257, 257, 64, False),      # one row past four blocks
+    (1, 4, 4, 100, 257, 80, True),       # Nq < Nk (bottom-right causal); D=80 padded to 128
+    (1, 6, 2, 257, 100, 96, True),       # Nq > Nk: 157 fully masked rows; group 3; D=96
+    (1, 2, 1, 33, 70, 128, False),       # Nq != Nk, D=128, MQA
+    (1, 8, 2, 17, 40, 16, False),        # group 4
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal", FORWARD_CASES)
+def test_forward_matches_reference(B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype)
+    got = _check_forward(q, k, v, causal)
+    assert not torch.isnan(got).any()
+
+
+@pytest.mark.parametrize("Nq,Nk,causal", [(7, 7, False), (7, 7, True), (40, 100, True), (100, 33, False)])
+def test_matches_torch_sdpa(Nq, Nk, causal):
+    """fp32 against torch.nn.functional.scaled_dot_product_attention (GQA via enable_gqa;
+    bottom-right causal via causal_lower_right)."""
+    q, k, v = _qkv(1, 4, 2, Nq, Nk, 24, torch.float32, seed=1)
+    mask = causal_lower_right(Nq, Nk) if causal else None
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    base = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert_close(flash_attention(q, k, v, causal), want, dtype=torch.float32, baseline=base)
+
+
+def test_square_causal_is_torch_is_causal():
+    """With Nq == Nk bottom-right and top-left alignment coincide: is_causal=True, the diagonal visible."""
+    q, k, v = _qkv(1, 2, 2, 50, 50, 16, torch.float32, seed=2)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert_close(flash_attention(q, k, v, causal=True), want, dtype=torch.float32,
+                 baseline=F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # row 0 sees only key 0: its output is v[0] exactly (up to rounding)
+    assert_close(flash_attention(q, k, v, causal=True)[:, :, 0], v[:, :, 0])
+
+
+def test_sm_scale_and_v1_loop_order_agree():
+    q, k, v = _qkv(1, 4, 2, 70, 90, 40, torch.float32, seed=3)
+    for causal in (False, True):
+        ref, lse_ref = attention_ref(q.double(), k.double(), v.double(), causal, sm_scale=0.3, return_lse=True)
+        o2, lse2 = flash_attention(q, k, v, causal, sm_scale=0.3, return_lse=True)
+        o1, lse1 = flash_attention_v1(q, k, v, causal, sm_scale=0.3, return_lse=True)
+        base = attention_ref(q, k, v, causal, sm_scale=0.3, upcast=False)
+        assert_close(o2, ref, dtype=torch.float32, baseline=base, name="v2")
+        assert_close(o1, ref, dtype=torch.float32, baseline=base, name="v1")
+        assert_close(lse2, lse_ref.float(), name="lse v2")
+        assert_close(lse1, lse_ref.float(), name="lse v1")
+
+
+def test_lse_is_logsumexp_and_fully_masked_rows():
+    """Nq > Nk with causal: the first Nq - Nk rows see no key. Output 0, lse -inf, no NaN anywhere."""
+    q, k, v = _qkv(1, 2, 1, 20, 5, 16, torch.float32, seed=4)
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(o[:, :, :15], torch.zeros_like(o[:, :, :15]))
+    assert torch.isneginf(lse[:, :, :15]).all() and torch.isfinite(lse[:, :, 15:]).all()
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 4.0
+    visible = torch.arange(5)[None, :] <= torch.arange(20)[:, None] - 15
+    want = torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1)
+    assert_close(lse[:, :, 15:], want[:, :, 15:].float())
+    _, ref_lse = attention_ref(q, k, v, True, return_lse=True)
+    assert torch.isneginf(ref_lse[:, :, :15]).all()
+    # gradients of fully masked rows are exactly zero, and nothing is NaN
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    flash_attention(qg, kg, vg, causal=True).pow(2).sum().backward()
+    assert torch.equal(qg.grad[:, :, :15], torch.zeros_like(qg.grad[:, :, :15]))
+    assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_logits(dtype):
+    """Scores in the hundreds: exp would overflow without the running max; the kernel stays exact."""
+    q, k, v = _qkv(1, 2, 2, 40, 70, 32, dtype, seed=5, scale=40.0)
+    got = _check_forward(q, k, v, causal=True)
+    assert torch.isfinite(got).all()
+
+
+GRAD_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D,  causal
+    (1, 2, 2, 7, 7, 16, True),           # tiny, MHA
+    (1, 4, 2, 33, 33, 32, True),         # GQA group 2, one row past two 16-row blocks
+    (1, 4, 1, 20, 45, 80, True),         # MQA, Nq < Nk, D padded
+    (2, 2, 1, 45, 20, 16, True),         # Nq > Nk: fully masked rows
+    (1, 3, 1, 30, 50, 24, False),        # group 3, not causal
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal", GRAD_CASES)
+def test_gradients_match_autograd(B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype, seed=6)
+    do = torch.randn(B, Hq, Nq, D, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    ins = [nan_canary(t, rows=True).requires_grad_() for t in (q, k, v)]
+    # 16-row tiles: several Q and K/V blocks, masked tails, causal loop bounds inside the backward
+    got = torch.autograd.grad(flash_attention(*ins, causal, block_m=16, block_n=16), ins, nan_canary(do, rows=True))
+    wide = [_wide(t).requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attention_ref(*wide, causal), wide, _wide(do))
+    low = [t.clone().requires_grad_() for t in (q, k, v)]
+    base = torch.autograd.grad(attention_ref(*low, causal, upcast=False), low, do)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert not torch.isnan(g).any(), f"{name} has NaN (a canary was read)"
+        assert_close(g, w, dtype=dtype, baseline=b, name=name)
+
+
+def test_gradcheck_float64_reference_agrees_with_sdpa():
+    """The reference's own backward is autograd's: sanity-check it against SDPA once in float64."""
+    q, k, v = (t.double().requires_grad_() for t in _qkv(1, 2, 1, 6, 9, 8, torch.float32, seed=8))
+    mask = causal_lower_right(6, 9)
+    a = torch.autograd.grad(attention_ref(q, k, v, True).sum(), (q, k, v))
+    b = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).sum(), (q, k, v))
+    for x, y in zip(a, b):
+        assert_close(x, y)
+
+
+# ---- broken variants are caught ---------------------------------------------------------------
+
+
+def test_forgetting_to_rescale_the_accumulator_is_caught():
+    """acc += P V without acc *= alpha: exact only while the running max never grows; with
+    several K/V blocks it does, and the check must fail."""
+    q, k, v = _qkv(1, 2, 2, 40, 100, 32, torch.float32, seed=9)
+    ref = attention_ref(q.double(), k.double(), v.double(), False)
+    base = attention_ref(q, k, v, False, upcast=False)
+    o, _ = flash_mod._forward(q, k, v, False, 32 ** -0.5, block_n=16, rescale=False)
+    with pytest.raises(MismatchError):
+        assert_close(o, ref, dtype=torch.float32, baseline=base)
+    o, _ = flash_mod._forward(q, k, v, False, 32 ** -0.5, block_n=16)
+    assert_close(o, ref, dtype=torch.float32, baseline=base)
+
+
+def test_missing_key_mask_is_caught_by_canaries():
+    """Without the n < Nk mask the padded tail of the last K/V block joins the softmax; with the
+    inputs inside NaN canaries that shows up as NaN (and without canaries as a wrong answer)."""
+    q, k, v = _qkv(1, 2, 2, 20, 37, 16, torch.float32, seed=10)
+    ref = attention_ref(q.double(), k.double(), v.double(), False)
+    base = attention_ref(q, k, v, False, upcast=False)
+    o, _ = flash_mod._forward(nan_canary(q), nan_canary(k), nan_canary(v), False, 0.25, mask_kv=False)
+    with pytest.raises(MismatchError):
+        assert_close(o, ref, dtype=torch.float32, baseline=base)
+    o, _ = flash_mod._forward(q, k, v, False, 0.25, mask_kv=False)
+    with pytest.raises(MismatchError):
+        assert_close(o, ref, dtype=torch.float32, baseline=base)
+
+
+def test_backward_without_the_delta_term_is_caught():
+    """dS = P * dP (forgetting - D_i, D = rowsum(dO * O)) gives wrong dq and dk."""
+    q, k, v = _qkv(1, 2, 1, 20, 30, 16, torch.float32, seed=11)
+    do = torch.randn(1, 2, 20, 16, generator=torch.Generator().manual_seed(12))
+    o, lse = flash_mod._forward(q, k, v, True, 0.25)
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attention_ref(*wide, True, sm_scale=0.25), wide, do.double())
+    dq, dk, dv = flash_mod._backward(do, q, k, v, o, lse, True, 0.25, use_delta=False)
+    with pytest.raises(MismatchError):
+        assert_close(dq, want[0].float())
+    with pytest.raises(MismatchError):
+        assert_close(dk, want[1].float())
+    assert_close(dv, want[2].float(), dtype=torch.float32, baseline=want[2].float())   # dV needs no D
+    dq, dk, dv = flash_mod._backward(do, q, k, v, o, lse, True, 0.25)
+    for g, w in zip((dq, dk, dv), want):
+        assert_close(g, w.float(), dtype=torch.float32, baseline=w.float())
+
+
+def test_the_rule_rejects_an_error_three_times_pytorchs_own():
+    """The FlashAttention test rule is not vacuous: a result off by 3x PyTorch's own fp16 error fails."""
+    q, k, v = _qkv(1, 2, 2, 30, 30, 16, torch.float16, seed=13)
+    ref = attention_ref(q, k, v, False)
+    base = attention_ref(q, k, v, False, upcast=False)
+    worse = ref + 3.0 * (base.float() - ref)
+    with pytest.raises(MismatchError):
+        assert_close(worse.half(), ref, dtype=torch.float16, baseline=base)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = _qkv(1, 4, 2, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="4-D"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        flash_attention(q[:, :3], k, v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        flash_attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="float64"):
+        flash_attention(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="head dim"):
+        flash_attention(*_qkv(1, 2, 2, 8, 8, 160, torch.float32))
+    with pytest.raises(ValueError, match="k shape"):
+        flash_attention(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match="k is"):
+        flash_attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="block_m"):
+        flash_attention(q, k, v, block_m=24)
+    with pytest.raises(ValueError, match="sm_scale"):
+        flash_attention(q, k, v, sm_scale=float("nan"))
