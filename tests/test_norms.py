@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.norms import batch_norm_ref, layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
+from kernels.norms import (
+    batch_norm_ref, layer_norm, layer_norm_backward_ref, layer_norm_ref, rms_norm, rms_norm_backward_ref, rms_norm_ref,
+)
 from kernels.norms.common import MAX_FEATURES
 from kernels.testing import MismatchError, assert_close, nan_canary
 
@@ -159,6 +161,20 @@ def test_rms_norm_ref_is_torch_and_gradchecks():
     assert_close(rms_norm_ref(x, w), F.rms_norm(x, (17,), w), name="rms_norm_ref eps=None")
     args = [t.clone().requires_grad_() for t in (x, w)]
     assert torch.autograd.gradcheck(lambda a, c: rms_norm_ref(a, c, 1e-6), args)
+
+
+@pytest.mark.parametrize("weight", [True, False])
+def test_hand_derived_backwards_equal_autograd(weight):
+    """The backward formulas written out in PyTorch (the ones the kernels implement) against autograd, float64."""
+    x, w, b, g = _ln_case((2, 6, 33), torch.float64, weight=weight)
+    _, *auto = _run(lambda a, c, d: layer_norm_ref(a, c, d, 1e-5), (x, w, b), g)
+    hand = [t for t in layer_norm_backward_ref(x, w, g, 1e-5) if t is not None]
+    for label, h, a in zip(("dx", "dw", "db") if weight else ("dx", "db"), hand, auto):
+        assert_close(h, a, name=f"layer norm {label}")
+    _, *auto = _run(lambda a, c: rms_norm_ref(a, c, 1e-6), (x, w), g)
+    hand = [t for t in rms_norm_backward_ref(x, w, g, 1e-6) if t is not None]
+    for label, h, a in zip(("dx", "dw"), hand, auto):
+        assert_close(h, a, name=f"rms norm {label}")
 
 
 # ---------------------------------------------------------------------------------------------- BatchNorm

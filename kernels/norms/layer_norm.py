@@ -39,6 +39,24 @@ def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, bias: to
     return y
 
 
+def layer_norm_backward_ref(x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor, eps: float = 1e-5):
+    """The hand-derived backward in PyTorch: ``(dx, dw, db)`` for upstream gradient ``g``, no autograd.
+
+    With xhat = (x - mu) * rstd and gw = g * w:  dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),
+    dw = sum over rows of g * xhat, db = sum over rows of g. Computed wide (fp32, float64 kept).
+    """
+    xw, gw_ = wide(x), wide(g)
+    mu = xw.mean(dim=-1, keepdim=True)
+    rstd = torch.rsqrt(((xw - mu) ** 2).mean(dim=-1, keepdim=True) + eps)
+    xhat = (xw - mu) * rstd
+    gw = gw_ * wide(weight) if weight is not None else gw_                 # dL/dxhat
+    dx = rstd * (gw - gw.mean(dim=-1, keepdim=True) - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
+    rows = tuple(range(x.dim() - 1))                                       # every axis but the features
+    dw = (gw_ * xhat).sum(dim=rows) if weight is not None else None
+    db = gw_.sum(dim=rows)
+    return dx, dw, db
+
+
 @triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,

@@ -40,6 +40,22 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
     return y
 
 
+def rms_norm_backward_ref(x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor, eps: float | None = None):
+    """The hand-derived backward in PyTorch: ``(dx, dw)`` for upstream gradient ``g``, no autograd.
+
+    With xhat = x * rstd and gw = g * w:  dx = rstd * (gw - xhat * mean(gw * xhat)),
+    dw = sum over rows of g * xhat. Computed wide (fp32, float64 kept).
+    """
+    e = _eps(x, eps)
+    xw, gw_ = wide(x), wide(g)
+    rstd = torch.rsqrt((xw * xw).mean(dim=-1, keepdim=True) + e)
+    xhat = xw * rstd
+    gw = gw_ * wide(weight) if weight is not None else gw_                 # dL/dxhat
+    dx = rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
+    dw = (gw_ * xhat).sum(dim=tuple(range(x.dim() - 1))) if weight is not None else None
+    return dx, dw
+
+
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, stride_y, eps,
