@@ -1,0 +1,346 @@
+"""Flash decoding: split the KV sequence of a decode step across programs, then merge exactly.
+
+A decode step has one query row per (sequence, query head). :func:`kernels.attention.decode_attention`
+gives each (sequence, K/V head) one program that walks the whole cache: B * Hkv programs, far
+fewer than a GPU's SMs when the batch is small, however long the cache. Flash decoding (Dao,
+Haziza, Massa and Sizov, 2023) also splits the cache of length L into ``num_splits`` chunks, gives
+each chunk its own program, and merges the partial results in a second, small kernel:
+
+    split s over positions J_s:   m_s = max_{j in J_s} x_j,   l_s = sum_{j in J_s} exp(x_j - m_s),
+                                  o_s = sum_{j in J_s} exp(x_j - m_s) v_j / l_s
+    combine:                      m = max_s m_s,   w_s = l_s exp(m_s - m),   l = sum_s w_s,
+                                  o = sum_s w_s o_s / l
+
+The combine is :func:`kernels.softmax.merge_softmax_stats` applied across splits (with the
+partial outputs carried along by the same weights), so the result is the exact softmax, not an
+approximation; :func:`combine_ref` writes it as that fold. A split with no positions (a short
+sequence, or L = 0) has m = -inf, l = 0, o = 0 and drops out of the merge.
+
+FlashDecoding++ (Hong et al., 2023) removes the running max: every split uses one *unified* max
+phi fixed ahead of time (from statistics of typical scores), so no split rescales and the combine
+is a plain sum. It is exact as long as no score exceeds phi by more than the exponent range
+allows; a split that sees a score outside [phi + LOW, phi + HIGH] raises a flag and its whole
+sequence is recomputed with the safe method (:func:`flash_decode_unified_max`).
+
+Shapes: q (B, Hq, D); k_cache, v_cache (B, Hkv, S_max, D); cache_seqlens (B,) integers in
+[0, S_max]; output (B, Hq, D) in q's dtype, zeros for an empty cache (as decode_attention).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import runtime
+from kernels.softmax import merge_softmax_stats
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+# FlashDecoding++ fallback window, in natural-log units of (score - phi): exp(score - phi) stays
+# within fp32 (exp(80) ~ 5.5e34, times up to 2**20 positions stays below 3.4e38) and a row whose
+# largest score sits 80 below phi would underflow its sum toward zero. Outside it: fall back.
+UNIFIED_LOW = -80.0
+UNIFIED_HIGH = 80.0
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+
+
+def flash_decode_ref(q, k_cache, v_cache, cache_seqlens):
+    """Decode attention over the first ``cache_seqlens[b]`` positions, in fp32 (float64 kept), returned wide.
+
+    The same mathematics as :func:`kernels.attention.decode_attention_ref` (which returns q's dtype).
+    """
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache.to(wide).repeat_interleave(Hq // Hkv, dim=1)            # (B, Hq, S, D)
+    v = v_cache.to(wide).repeat_interleave(Hq // Hkv, dim=1)
+    valid = torch.arange(S, device=q.device)[None, :] < cache_seqlens.long()[:, None]   # (B, S)
+    s = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) / math.sqrt(D)
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s.masked_fill(~valid.any(1)[:, None, None], 0.0), dim=-1)
+    p = p * valid[:, None, :]                                           # empty cache: all-zero row
+    return torch.einsum("bhs,bhsd->bhd", p, v.masked_fill(~valid[:, None, :, None], 0.0))
+
+
+def split_ref(q, k_cache, v_cache, cache_seqlens, num_splits):
+    """The split step in PyTorch: per split s the partial (m_s, l_s, o_s), shapes (B, Hq, S) and (B, Hq, S, D).
+
+    Sequence b's positions 0..L_b-1 are cut into ``num_splits`` chunks of ceil(L_b / num_splits).
+    """
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    k = k_cache.to(wide).repeat_interleave(Hq // Hkv, dim=1)
+    v = v_cache.to(wide).repeat_interleave(Hq // Hkv, dim=1)
+    m = torch.full((B, Hq, num_splits), float("-inf"), dtype=wide)
+    l = torch.zeros((B, Hq, num_splits), dtype=wide)
+    o = torch.zeros((B, Hq, num_splits, D), dtype=wide)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        chunk = -(-L // num_splits) if L else 0
+        for s in range(num_splits):
+            lo, hi = s * chunk, min((s + 1) * chunk, L)
+            if hi <= lo:
+                continue
+            x = torch.einsum("hd,hsd->hs", q[b].to(wide), k[b, :, lo:hi]) / math.sqrt(D)   # (Hq, n)
+            m_s = x.amax(-1)
+            e = torch.exp(x - m_s[:, None])
+            m[b, :, s], l[b, :, s] = m_s, e.sum(-1)
+            o[b, :, s] = torch.einsum("hs,hsd->hd", e, v[b, :, lo:hi]) / e.sum(-1, keepdim=True)
+    return m, l, o
+
+
+def combine_ref(m, l, o):
+    """Merge the splits: fold :func:`merge_softmax_stats` over s, carrying the outputs along.
+
+    m, l (..., S); o (..., S, D). Returns (..., D); a row whose splits are all empty gives 0.
+    """
+    M = torch.full_like(m[..., :1], float("-inf"))      # running (max, sum) of the merged splits
+    Lsum = torch.zeros_like(l[..., :1])
+    acc = torch.zeros_like(o[..., 0, :])                # running sum of l_s exp(m_s - M) o_s
+    for s in range(m.shape[-1]):
+        M_new, Lsum = merge_softmax_stats(M, Lsum, m[..., s:s + 1], l[..., s:s + 1])
+        safe = torch.where(torch.isneginf(M_new), torch.zeros_like(M_new), M_new)
+        acc = acc * torch.exp(M - safe) + (l[..., s:s + 1] * torch.exp(m[..., s:s + 1] - safe)) * o[..., s, :]
+        M = M_new
+    return acc / torch.where(Lsum > 0, Lsum, torch.ones_like(Lsum))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _flash_decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, mpart_ptr, lpart_ptr, opart_ptr, flag_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    Hq, D, GROUP, NUM_SPLITS, scale_log2, phi_log2, low_log2, high_log2,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr,
+):
+    """One program per (sequence b, K/V head, split s): the group's query heads over chunk s.
+
+    UNIFIED=False: online softmax (running max). UNIFIED=True (FlashDecoding++): the max is the
+    fixed phi, no rescaling; a score outside [phi + low, phi + high] sets flag[b, hk, s].
+    Writes m_s, l_s (B*Hq, NUM_SPLITS) and the normalised o_s (B*Hq, NUM_SPLITS, D), all fp32,
+    with m in natural-log units.
+    """
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(L, NUM_SPLITS)                        # this sequence's chunk length
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, L)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    s_idx = tl.arange(0, BLOCK_S)
+    g_ok = g < GROUP
+    d_ok = d < D
+    heads = hk * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale_log2   # (BLOCK_G, BLOCK_D)
+    if UNIFIED:
+        m = tl.full((BLOCK_G,), phi_log2, tl.float32)     # fixed ahead: never updated
+    else:
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    out_of_range = tl.zeros((BLOCK_G,), tl.int32)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    for s0 in range(lo, hi, BLOCK_S):
+        pos = s0 + s_idx
+        s_ok = pos < hi
+        kv_mask = s_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + pos[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_base + pos[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
+        x = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                 # scores, log2 units (BLOCK_G, BLOCK_S)
+        x = tl.where(s_ok[None, :], x, float("-inf"))
+        if UNIFIED:
+            blk_max = tl.max(x, axis=1)
+            bad = (blk_max > phi_log2 + high_log2) | (blk_max < phi_log2 + low_log2)
+            out_of_range = out_of_range | bad.to(tl.int32)
+            p = tl.exp2(x - phi_log2)                                    # exp(x - phi): no max, no rescale
+            l = l + tl.sum(p, axis=1)
+            acc = acc + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        else:
+            m_new = tl.maximum(m, tl.max(x, axis=1))                      # finite: the block has a valid key
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+    empty = hi <= lo
+    l_safe = tl.where(l > 0, l, 1.0)
+    o = acc / l_safe[:, None]
+    m_out = tl.where(empty, float("-inf"), m * 0.6931471805599453)       # natural-log units; empty split: -inf
+    rows = b * Hq + heads
+    tl.store(mpart_ptr + rows * NUM_SPLITS + split, m_out, mask=g_ok)
+    tl.store(lpart_ptr + rows * NUM_SPLITS + split, l, mask=g_ok)
+    tl.store(opart_ptr + (rows[:, None] * NUM_SPLITS + split) * D + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
+    if UNIFIED:
+        tl.store(flag_ptr + (b * (Hq // GROUP) + hk) * NUM_SPLITS + split, tl.max(out_of_range, axis=0))
+
+
+@triton.jit
+def _flash_decode_combine_kernel(
+    mpart_ptr, lpart_ptr, opart_ptr, o_ptr,
+    stride_ob, stride_oh, stride_od,
+    Hq, D, NUM_SPLITS,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, query head): o = sum_s l_s e^{m_s - m} o_s / sum_s l_s e^{m_s - m}."""
+    row = tl.program_id(0)
+    b = row // Hq
+    h = row % Hq
+    s = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    m_s = tl.load(mpart_ptr + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(lpart_ptr + row * NUM_SPLITS + s, mask=s_ok, other=0.0)
+    o_s = tl.load(opart_ptr + (row * NUM_SPLITS + s[:, None]) * D + d[None, :],
+                  mask=s_ok[:, None] & (d < D)[None, :], other=0.0)           # (BLOCK_SPLITS, BLOCK_D)
+    m = tl.max(m_s, axis=0)                                                    # m = max_s m_s
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = l_s * tl.exp(m_s - m_safe)                                             # w_s = l_s e^{m_s - m}
+    l = tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * o_s, axis=0) / tl.where(l > 0, l, 1.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d * stride_od, o.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, name) -> None:
+    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != runtime.device().type:
+            raise ValueError(f"{name}: {arg} is on {t.device}, kernels run on {runtime.device()} here")
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be (B, Hq, D), got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must both be (B, Hkv, S_max, D), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B, Hq, D = q.shape
+    Bk, Hkv, S, Dk = k_cache.shape
+    if Bk != B or Dk != D:
+        raise ValueError(f"{name}: q is (B={B}, Hq={Hq}, D={D}) but k_cache is (B={Bk}, Hkv={Hkv}, S_max={S}, D={Dk})")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: {arg} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"{name}: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if cache_seqlens.shape != (B,) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: cache_seqlens must be a (B,)=({B},) int32/int64 tensor, "
+                         f"got {tuple(cache_seqlens.shape)} {cache_seqlens.dtype}")
+    if B and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > S):
+        raise ValueError(f"{name}: cache_seqlens must lie in [0, S_max={S}], got min {int(cache_seqlens.min())}, "
+                         f"max {int(cache_seqlens.max())}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= 256:
+        raise ValueError(f"{name}: num_splits must be an int in [1, 256], got {num_splits!r}")
+
+
+def _split(q, k_cache, v_cache, cache_seqlens, num_splits, *, block_s, unified=False, phi=0.0):
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+    flags = torch.zeros((B, Hkv, num_splits), dtype=torch.int32, device=q.device)
+    _flash_decode_split_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, cache_seqlens, m, l, o, flags,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        Hq, D, group, num_splits, LOG2E / math.sqrt(D), phi * LOG2E, UNIFIED_LOW * LOG2E, UNIFIED_HIGH * LOG2E,
+        BLOCK_G=max(triton.next_power_of_2(group), 1), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+        UNIFIED=unified,
+    )
+    return m, l, o, flags
+
+
+def combine(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """The combine kernel: (m, l) (B, Hq, S) and o (B, Hq, S, D), fp32 contiguous -> (B, Hq, D)."""
+    if m.dim() != 3 or l.shape != m.shape or o.shape[:3] != m.shape or o.dim() != 4:
+        raise ValueError(f"combine: expected m, l (B, Hq, S) and o (B, Hq, S, D), got {tuple(m.shape)}, "
+                         f"{tuple(l.shape)}, {tuple(o.shape)}")
+    if any(t.dtype != torch.float32 for t in (m, l, o)):
+        raise TypeError("combine: m, l, o must be float32 (the split step's partials)")
+    m, l, o = m.contiguous(), l.contiguous(), o.contiguous()
+    B, Hq, S, D = o.shape
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=o.device)
+    if B * Hq:
+        _flash_decode_combine_kernel[(B * Hq,)](
+            m, l, o, out, *out.stride(), Hq, D, S,
+            BLOCK_SPLITS=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+        )
+    return out
+
+
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                 num_splits: int = 4, *, block_s: int = 64) -> torch.Tensor:
+    """Split-K decode attention: ``num_splits`` programs per (sequence, K/V head), then the combine.
+
+    Same inputs and result as :func:`kernels.attention.decode_attention`; GQA heads of a group share
+    each load of K and V. ``num_splits=1`` is decode attention itself plus a trivial combine.
+    """
+    _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, "flash_decode")
+    if block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"flash_decode: block_s must be a power of two >= 16, got {block_s}")
+    if q.shape[0] * q.shape[1] == 0:
+        return torch.zeros_like(q)
+    m, l, o, _ = _split(q, k_cache, v_cache, cache_seqlens, num_splits, block_s=block_s)
+    return combine(m, l, o, out_dtype=q.dtype)
+
+
+def flash_decode_unified_max(q, k_cache, v_cache, cache_seqlens, num_splits: int = 4, *, phi: float = 0.0,
+                             block_s: int = 64, fallback: bool = True, return_fallbacks: bool = False):
+    """FlashDecoding++'s asynchronous softmax: every split uses the fixed max ``phi`` (natural-log units
+    of the scaled score q.k/sqrt(D)), so no split rescales and partials simply add.
+
+    A split that sees a score outside [phi + UNIFIED_LOW, phi + UNIFIED_HIGH] flags its
+    (sequence, K/V head); with ``fallback`` (the default) every flagged sequence is recomputed with
+    :func:`flash_decode` (the running-max method). ``fallback=False`` exists to show what goes wrong.
+    With ``return_fallbacks`` also returns the (B,) bool tensor of sequences that fell back.
+    """
+    _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, "flash_decode_unified_max")
+    if not math.isfinite(phi):
+        raise ValueError(f"flash_decode_unified_max: phi must be finite, got {phi}")
+    B = q.shape[0]
+    if B * q.shape[1] == 0:
+        out, fell = torch.zeros_like(q), torch.zeros(B, dtype=torch.bool, device=q.device)
+        return (out, fell) if return_fallbacks else out
+    m, l, o, flags = _split(q, k_cache, v_cache, cache_seqlens, num_splits, block_s=block_s, unified=True, phi=phi)
+    # every split's m is phi (or -inf when empty): the combine's weights e^{m_s - m} are all 1, a plain sum
+    out = combine(m, l, o, out_dtype=q.dtype)
+    fell = flags.flatten(1).any(dim=1)                       # (B,)
+    if fallback and bool(fell.any()):
+        idx = fell.nonzero().flatten()
+        out[idx] = flash_decode(q[idx], k_cache[idx], v_cache[idx], cache_seqlens[idx], num_splits, block_s=block_s)
+    return (out, fell) if return_fallbacks else out
+
+
+def choose_num_splits(batch: int, kv_heads: int, cache_len: int, sms: int, *, block_s: int = 64,
+                      max_splits: int = 128) -> int:
+    """How many splits fill a GPU with ``sms`` SMs: the fewest that give at least one program per SM,
+    without splitting the cache into chunks shorter than one ``block_s`` tile.
+
+    Without splits the step has batch * kv_heads programs; with s splits, s times as many.
+    """
+    for arg, val in (("batch", batch), ("kv_heads", kv_heads), ("sms", sms), ("block_s", block_s)):
+        if val < 1:
+            raise ValueError(f"choose_num_splits: {arg} must be >= 1, got {val}")
+    programs = batch * kv_heads
+    want = -(-sms // programs)                                # ceil(sms / programs)
+    most = max(1, -(-cache_len // block_s))                   # no chunk shorter than one tile
+    return max(1, min(want, most, max_splits))
