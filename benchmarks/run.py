@@ -29,7 +29,34 @@ def matmul() -> list[dict]:
     return rows
 
 
+def flash_attention() -> list[dict]:
+    """FlashAttention forward (kernels.attention.flash_attention) against SDPA's flash backend, fp16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.attention import flash_attention as triton_flash
+
+    rows = []
+    for causal in (False, True):
+        for d in (64, 128):
+            for n in (1024, 2048, 4096, 8192):
+                b, h = 16384 // n, 16
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+
+                def sdpa():
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                for impl, fn in (("triton-flash-v2", lambda: triton_flash(q, k, v, causal)), ("sdpa-flash", sdpa)):
+                    median, lo, hi = bench.time_ms(fn)
+                    rows.append({"impl": impl, "B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": "float16",
+                                 "pass": "forward", "ms": median, "ms_p20": lo, "ms_p80": hi,
+                                 "tflops": flops / (median * 1e-3) / 1e12})
+    return rows
+
+
 BENCHMARKS = {"matmul": matmul}
+BENCHMARKS["flash_attention"] = flash_attention
 
 
 def main(argv: list[str] | None = None) -> int:
