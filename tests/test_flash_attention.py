@@ -244,3 +244,18 @@ def test_bad_inputs_raise_clear_errors():
         flash_attention(q, k, v, block_m=24)
     with pytest.raises(ValueError, match="sm_scale"):
         flash_attention(q, k, v, sm_scale=float("nan"))
+
+
+@pytest.mark.parametrize("Nq,Nk,causal", [(37, 100, True), (100, 37, True), (50, 50, False)])
+def test_tiled_reference_recurrence(Nq, Nk, causal):
+    """The PyTorch form of the tiled recurrence (built on softmax_stats / merge_softmax_stats) is exact;
+    without rescaling the accumulator it is not."""
+    from kernels.attention import tiled_attention_ref
+    q, k, v = (t.double() for t in _qkv(1, 4, 2, Nq, Nk, 16, torch.float32, seed=14))
+    ref, lse = attention_ref(q, k, v, causal, return_lse=True)
+    o, lse_t = tiled_attention_ref(q, k, v, causal, block_n=16)
+    assert_close(o, ref)
+    assert_close(lse_t, lse)
+    bad, _ = tiled_attention_ref(q, k, v, causal, block_n=16, rescale=False)
+    with pytest.raises(MismatchError):
+        assert_close(bad, ref)

@@ -81,3 +81,42 @@ def attention_ref(
         return o
     lse = torch.logsumexp(s.to(wide), dim=-1)              # -inf on fully masked rows
     return o, lse
+
+
+def tiled_attention_ref(q, k, v, causal: bool = False, sm_scale: float | None = None, *, block_n: int = 64,
+                        rescale: bool = True):
+    """The FlashAttention recurrence in PyTorch: K/V in blocks of ``block_n``, the online softmax per tile.
+
+    Per block j, the tile's statistics come from :func:`kernels.softmax.softmax_stats` and merge into
+    the running (m, l) with :func:`kernels.softmax.merge_softmax_stats`; the output accumulator is
+    rescaled by the same factor exp(m_old - m_new) as l. ``rescale=False`` forgets that factor on the
+    accumulator (the classic bug) and is wrong as soon as a later block raises the max.
+    Computed in fp32 (float64 kept), returned wide, with the lse; no (Nq, Nk) tensor is kept across blocks.
+    """
+    from kernels.softmax import merge_softmax_stats, softmax_stats
+
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = q.to(wide)
+    kf = k.to(wide).repeat_interleave(Hq // Hkv, dim=1)
+    vf = v.to(wide).repeat_interleave(Hq // Hkv, dim=1)
+    m = torch.full((B, Hq, Nq, 1), float("-inf"), dtype=wide, device=q.device)   # running max
+    l = torch.zeros((B, Hq, Nq, 1), dtype=wide, device=q.device)                  # running sum
+    acc = torch.zeros((B, Hq, Nq, D), dtype=wide, device=q.device)                # unnormalised output
+    visible = causal_mask(Nq, Nk, device=q.device) if causal else None
+    for j in range(0, Nk, block_n):
+        s = (qf @ kf[:, :, j:j + block_n].transpose(-1, -2)) * scale              # S_ij, (B, Hq, Nq, block)
+        if causal:
+            s = s.masked_fill(~visible[:, j:j + block_n], float("-inf"))
+        m_blk, l_blk = softmax_stats(s)                                            # this tile's (max, sum)
+        m_new, l = merge_softmax_stats(m, l, m_blk, l_blk)                         # exact merge
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)                                              # exp(m_old - m_new)
+        p = torch.exp(s - m_safe)                                                  # P_ij = exp(S_ij - m_new)
+        acc = (acc * alpha if rescale else acc) + p @ vf[:, :, j:j + block_n]
+        m = m_new
+    o = acc / torch.where(l > 0, l, torch.ones_like(l))
+    lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, torch.ones_like(l))), torch.full_like(l, float("-inf")))
+    return o, lse[..., 0]
