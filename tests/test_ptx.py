@@ -490,3 +490,36 @@ def test_matmul_needs_divisibility_hints_for_cp_async():
     tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
     plain = ki.compile_triton(_matmul_kernel, sig, arch="sm80", constexprs=tiles)
     assert plain.families("sass")["LDGSTS"] == 0
+
+
+def test_missing_ptxas_is_a_clear_error(monkeypatch):
+    from kernels.ptx import probe as P
+
+    def missing(name):
+        raise ki.ToolMissingError(f"{name} not found: install the pip package ...")
+
+    monkeypatch.setattr(P.kinspect, "tool", missing)
+    with pytest.raises(ki.ToolMissingError, match="ptxas not found"):
+        P.probe("cp.async", "sm80")
+
+
+def test_cuda_launch_without_a_gpu_says_so():
+    from kernels import cuda_launch
+
+    if runtime.runtime().on_gpu:
+        pytest.skip("a GPU is present: the loader is exercised by the GPU tests")
+    with pytest.raises(cuda_launch.NoCudaError, match="no CUDA GPU"):
+        cuda_launch.load("mma")
+
+
+def test_cuda_launch_argument_checks():
+    from kernels import cuda_launch
+
+    assert cuda_launch._dim3(4) == (4, 1, 1) and cuda_launch._dim3((2, 3)) == (2, 3, 1)
+    with pytest.raises(ValueError, match="grid and block"):
+        cuda_launch._dim3((0, 1))
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cuda_launch._argument(torch.zeros(2))
+    with pytest.raises(TypeError, match="cannot pass"):
+        cuda_launch._argument("text")
+    assert cuda_launch._argument(3).value == 3 and abs(cuda_launch._argument(0.5).value - 0.5) < 1e-9
