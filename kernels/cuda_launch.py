@@ -98,6 +98,25 @@ class Module:
                f"cuModuleGetFunction({kernel!r}) in {self.name}.cu")
         return fn
 
+    def attribute(self, kernel: str, attribute: str) -> int:
+        """A compiled kernel's attribute from cuFuncGetAttribute: "registers", "shared_bytes" (static), "max_threads"."""
+        codes = {"max_threads": 0, "shared_bytes": 1, "registers": 4}
+        if attribute not in codes:
+            raise KeyError(f"unknown attribute {attribute!r}; known: {', '.join(codes)}")
+        value = ctypes.c_int()
+        _check(driver().cuFuncGetAttribute(ctypes.byref(value), codes[attribute], self.function(kernel)),
+               f"cuFuncGetAttribute({kernel!r}, {attribute})")
+        return value.value
+
+    def max_active_blocks(self, kernel: str, block_threads: int, dynamic_shared_bytes: int = 0) -> int:
+        """The driver's occupancy answer (cuOccupancyMaxActiveBlocksPerMultiprocessor), to check
+        :func:`kernels.hardware.occupancy` against."""
+        n = ctypes.c_int()
+        _check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.function(kernel),
+                                                                    block_threads, dynamic_shared_bytes),
+               f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel!r})")
+        return n.value
+
     def launch(self, kernel: str, grid, block, *args, shared_bytes: int = 0, sync: bool = True) -> None:
         """Launch ``kernel`` with ``grid`` x ``block`` threads on torch's current stream."""
         lib = driver()

@@ -523,3 +523,22 @@ def test_cuda_launch_argument_checks():
     with pytest.raises(TypeError, match="cannot pass"):
         cuda_launch._argument("text")
     assert cuda_launch._argument(3).value == 3 and abs(cuda_launch._argument(0.5).value - 0.5) < 1e-9
+
+
+@GPU
+def test_gpu_occupancy_calculator_agrees_with_the_driver():
+    from kernels import cuda_launch
+    from kernels import hardware as hw
+
+    arch = cuda_launch.device_arch()
+    table = {g.arch: g for g in hw.GPUS.values()}
+    if arch not in table:
+        pytest.skip(f"this GPU ({arch}) has no entry in kernels.hardware")
+    g = table[arch]
+    mod = cuda_launch.load("cp_async")
+    regs = mod.attribute("cp_async_tile_sums", "registers")
+    smem = mod.attribute("cp_async_tile_sums", "shared_bytes")
+    for threads in (128,):
+        for dynamic in (0, 16 * 1024, 40 * 1024):   # static + dynamic stays under the 48 KiB default limit
+            want = mod.max_active_blocks("cp_async_tile_sums", threads, dynamic)
+            assert hw.occupancy(g, threads, regs, smem + dynamic).blocks_per_sm == want, (threads, dynamic, regs, smem)
