@@ -128,7 +128,7 @@ def _softmax_kernel(
 
     x is read once and y written once: 2 memory passes per element.
     """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)          # (BLOCK_R,)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)   # (BLOCK_R,), int64 offsets
     cols = tl.arange(0, BLOCK_N)                                         # (BLOCK_N,)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)           # (BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=float("-inf"))
@@ -185,7 +185,7 @@ def _softmax_bwd_kernel(
 
     From dy_i/dx_j = y_i (delta_ij - y_j): dx_j = sum_i g_i y_i (delta_ij - y_j) = y_j (g_j - <g, y>).
     """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows[:, None] < n_rows
     cols = tl.arange(0, BLOCK_N)
     dot = tl.zeros((BLOCK_R,), tl.float32)                               # <g, y> per row
@@ -236,6 +236,11 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _num_warps(tile_elements: int) -> int:
+    """Warps per program on a GPU: about 256 tile elements per warp (8 per thread), 1 to 8 warps."""
+    return min(max(tile_elements // 256, 1), 8)
+
+
 def _block_sizes(n_rows: int, n_cols: int, block_size: int | None) -> tuple[int, int]:
     if block_size is not None:
         if block_size < 1 or block_size & (block_size - 1):
@@ -255,9 +260,11 @@ def _forward_rows(x2: torch.Tensor, block_size: int | None) -> torch.Tensor:
     block_r, block_n = _block_sizes(n_rows, n_cols, block_size)
     if n_cols <= block_n:
         grid = (triton.cdiv(n_rows, block_r),)
-        _softmax_kernel[grid](x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n)
+        _softmax_kernel[grid](x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n,
+                              num_warps=_num_warps(block_r * block_n))
     else:
-        _softmax_online_kernel[(n_rows,)](x2, y2, n_cols, x2.stride(0), y2.stride(0), BLOCK_N=block_n)
+        _softmax_online_kernel[(n_rows,)](x2, y2, n_cols, x2.stride(0), y2.stride(0), BLOCK_N=block_n,
+                                         num_warps=_num_warps(block_n))
     return y2
 
 
@@ -269,7 +276,8 @@ def _backward_rows(y2: torch.Tensor, g2: torch.Tensor, block_size: int | None) -
     block_r, block_n = _block_sizes(n_rows, n_cols, block_size)
     grid = (triton.cdiv(n_rows, block_r),)
     _softmax_bwd_kernel[grid](
-        y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n
+        y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n,
+        num_warps=_num_warps(block_r * block_n),
     )
     return dx2
 

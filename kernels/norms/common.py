@@ -78,6 +78,12 @@ def block_sizes(n_rows: int, n: int) -> tuple[int, int]:
     return block_r, block_n
 
 
+def num_warps(tile_elements: int) -> int:
+    """Warps per program on a GPU: about 256 tile elements per warp (8 per thread), 1 to 8 warps.
+    Fewer would hold too many values per thread in registers; the interpreter ignores it."""
+    return min(max(tile_elements // 256, 1), 8)
+
+
 def backward_programs(n_tiles: int) -> int:
     """How many programs share the backward's row tiles (each writes one row of partial sums)."""
     if runtime.runtime().on_gpu:

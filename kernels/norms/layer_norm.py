@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.norms.common import (
-    as_rows, backward_programs, block_sizes, check_norm_inputs, sum_partials, wide,
+    as_rows, backward_programs, block_sizes, check_norm_inputs, num_warps, sum_partials, wide,
 )
 
 
@@ -63,7 +63,7 @@ def _layer_norm_fwd_kernel(
     n_rows, n, stride_x, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BLOCK_R,)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)   # (BLOCK_R,), int64 offsets
     cols = tl.arange(0, BLOCK_N)                                          # (BLOCK_N,) covers the row
     row_ok = rows < n_rows
     col_ok = cols < n
@@ -99,7 +99,7 @@ def _layer_norm_bwd_kernel(
     dw_acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)                    # running sum of g * xhat
     db_acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)                    # running sum of g
     for tile in range(pid, n_tiles, n_prog):                              # this program's row tiles
-        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)   # int64: rows * stride may pass 2**31
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -140,6 +140,7 @@ class _LayerNorm(torch.autograd.Function):
                 x2, weight if weight is not None else x2, bias if bias is not None else x2, y2, mean, rstd,
                 n_rows, n, x2.stride(0), y2.stride(0), eps,
                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+                num_warps=num_warps(block_r * block_n),
             )
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
@@ -164,6 +165,7 @@ class _LayerNorm(torch.autograd.Function):
                 x2, weight if weight is not None else x2, g2, mean, rstd, dx2, dw_part, db_part,
                 n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), n_tiles,
                 HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_R=block_r, BLOCK_N=block_n,
+                num_warps=num_warps(block_r * block_n),
             )
         dw = sum_partials(dw_part, x2.dtype) if need_dw else None
         db = sum_partials(db_part, x2.dtype) if need_db else None
