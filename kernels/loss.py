@@ -33,8 +33,8 @@ REDUCTIONS = ("mean", "sum", "none")
 
 def cross_entropy_ref(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                       label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
-    """The reference: log-sum-exp written out, in fp32 from the same inputs."""
-    x = logits.float().reshape(-1, logits.shape[-1])               # (N, V)
+    """The reference: log-sum-exp written out, in fp32 from the same inputs (float64 stays float64)."""
+    x = (logits if logits.dtype == torch.float64 else logits.float()).reshape(-1, logits.shape[-1])  # (N, V)
     t = target.reshape(-1).long()                                  # (N,)
     valid = t != ignore_index
     t_safe = torch.where(valid, t, torch.zeros_like(t))

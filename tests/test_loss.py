@@ -195,3 +195,13 @@ def test_fused_linear_bad_inputs():
     with pytest.raises(RuntimeError, match="reduction='none'"):
         loss = fused_linear_cross_entropy(h.requires_grad_(), w, t, reduction="none")
         loss.sum().backward()
+
+
+def test_peak_memory_measurement_sees_the_logits():
+    """The chunked loss's peak resident memory is well below the unfused one (forked children, Linux)."""
+    from kernels.loss_memory import peak_extra_bytes
+    res = peak_extra_bytes(128, 16, 2048, 16)
+    unfused, fused = res["unfused"]["peak_extra_bytes"], res["fused"]["peak_extra_bytes"]
+    assert abs(res["unfused"]["loss"] - res["fused"]["loss"]) < 1e-4
+    assert unfused > 2 * 128 * 2048 * 4          # at least two fp32 logits-sized tensors
+    assert unfused > 2 * fused

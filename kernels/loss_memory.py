@@ -1,0 +1,132 @@
+"""Peak memory of the LM-head loss on the CPU, fused (chunked) against unfused, each in a fresh process.
+
+What is measured: the growth of the process's peak resident set (Linux ``VmHWM`` minus the
+``VmRSS`` just before the loss), over one forward and backward of the loss, in a separate process
+(a fork of the caller, or a fresh interpreter) that has made its inputs and run the code path once
+on a tiny problem (so that loading code pages and the interpreter's first-call work are not
+counted). A forked child starts with its peak reset to its current resident set (Linux sets the
+new address space's high-water mark at fork).
+It covers every allocation the process touches: PyTorch's tensors, NumPy temporaries of the Triton
+interpreter, and the allocator's own overhead. It is coarse (pages, not bytes) and says nothing
+about a GPU's caching allocator; it is honest about the one thing asked: how much more memory the
+unfused loss needs than the chunked one.
+
+Run one case by hand: ``python -m kernels.loss_memory fused N C V CHUNK``.
+Linux only (it reads ``/proc/self/status``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _run_case(kind: str, N: int, C: int, V: int, chunk: int) -> dict:
+    import kernels  # noqa: F401  (before triton)
+    import torch
+
+    from kernels.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, C, generator=g).requires_grad_()
+    w = (torch.randn(V, C, generator=g) / C ** 0.5).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+
+    def loss_fn(hh, ww, tt, ch):
+        if kind == "fused":
+            return fused_linear_cross_entropy(hh, ww, tt, chunk_size=ch)
+        return fused_linear_cross_entropy_ref(hh, ww, tt)
+
+    small = loss_fn(h[:4].detach().requires_grad_(), w[:16].detach().requires_grad_(), t[:4] % 16, 2)
+    small.backward()                                    # warm-up: code paths, not counted
+    base = _status("VmRSS")
+    loss = loss_fn(h, w, t, chunk)
+    loss.backward()
+    peak = _status("VmHWM")
+    return {"kind": kind, "loss": loss.item(), "peak_extra_bytes": peak - base}
+
+
+def _fixed_mmap_threshold(threshold: int = 128 * 1024) -> None:
+    """Make glibc serve every allocation above ``threshold`` with its own mmap and return it on free.
+
+    By default glibc raises that threshold after large frees, and later large allocations then reuse
+    heap pages that are already resident, which a resident-set measurement would not see. Fixing it
+    makes every tensor larger than 128 KiB show up in VmHWM when it is touched.
+    """
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    M_MMAP_THRESHOLD = -3
+    libc.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
+def _forked_case(kind: str, N: int, C: int, V: int, chunk: int) -> dict:
+    """Run one case in a forked child of this process (no imports to repeat); returns its result."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report through the pipe, leave without running any cleanup
+        code = 0
+        try:
+            os.close(read_fd)
+            _fixed_mmap_threshold()
+            payload = json.dumps(_run_case(kind, N, C, V, chunk)).encode()
+        except BaseException as err:  # noqa: BLE001  (report anything to the parent)
+            payload, code = json.dumps({"error": repr(err)}).encode(), 1
+        os.write(write_fd, payload)
+        os.close(write_fd)
+        os._exit(code)
+    os.close(write_fd)
+    chunks = []
+    while True:
+        block = os.read(read_fd, 65536)
+        if not block:
+            break
+        chunks.append(block)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    result = json.loads(b"".join(chunks) or b'{"error": "no result"}')
+    if "error" in result:
+        raise RuntimeError(f"peak_extra_bytes: the {kind} case failed in the child: {result['error']}")
+    return result
+
+
+def peak_extra_bytes(N: int, C: int, V: int, chunk: int = 32, kinds=("unfused", "fused"), *,
+                     fork: bool = True) -> dict[str, dict]:
+    """Run each case ("fused", "unfused") in its own process; returns, per kind, its loss and its
+    peak extra bytes.
+
+    ``fork=True`` (Linux): a forked child of this process, with glibc's mmap threshold fixed (see
+    :func:`_fixed_mmap_threshold`), so nothing is imported again. ``fork=False``: a fresh Python
+    process per case (slower: it imports torch and triton), run side by side.
+    """
+    for kind in kinds:
+        if kind not in ("fused", "unfused"):
+            raise ValueError(f"peak_extra_bytes: kind must be 'fused' or 'unfused', got {kind!r}")
+    if fork:
+        return {kind: _forked_case(kind, N, C, V, chunk) for kind in kinds}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {kind: subprocess.Popen([sys.executable, "-m", "kernels.loss_memory", kind, str(N), str(C), str(V),
+                                     str(chunk)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for kind in kinds}
+    results = {}
+    for kind, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"peak_extra_bytes: the {kind} case failed:\n{err[-2000:]}")
+        results[kind] = json.loads(out.strip().splitlines()[-1])
+    return results
+
+
+if __name__ == "__main__":
+    kind, *dims = sys.argv[1:]
+    _fixed_mmap_threshold()
+    print(json.dumps(_run_case(kind, *map(int, dims))))
