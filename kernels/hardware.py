@@ -66,8 +66,10 @@ class GPU:
 
 
 # Per compute capability: the CUDA C++ Programming Guide, "Compute Capabilities", table
-# "Technical Specifications per Compute Capability" (nvidia2025cudaguide). 12.0 (RTX 50) has a
-# smaller SM (128 KB unified L1/shared, 1536 threads) than 10.0 (B200).
+# "Technical Specifications per Compute Capability" (nvidia2025cudaguide), cross-checked against
+# the per-architecture traits NVIDIA's CCCL library ships (nvidia2025cccltraits: cuda/__device/
+# arch_traits.h). 12.0 (RTX 50) has a smaller SM than 10.0 (B200): at most 100 KiB of shared
+# memory, 1536 resident threads and 24 resident blocks.
 ARCH_LIMITS: dict[str, dict[str, int]] = {
     #            KiB/SM  KiB/block  regs/SM  threads/SM  blocks/SM  warps/SM
     "sm80":  dict(smem_per_sm_kib=164, smem_per_block_kib=163, registers_per_sm=65536,
@@ -76,8 +78,8 @@ ARCH_LIMITS: dict[str, dict[str, int]] = {
                   max_threads_per_sm=2048, max_blocks_per_sm=32, max_warps_per_sm=64),
     "sm100": dict(smem_per_sm_kib=228, smem_per_block_kib=227, registers_per_sm=65536,
                   max_threads_per_sm=2048, max_blocks_per_sm=32, max_warps_per_sm=64),
-    "sm120": dict(smem_per_sm_kib=128, smem_per_block_kib=99, registers_per_sm=65536,
-                  max_threads_per_sm=1536, max_blocks_per_sm=32, max_warps_per_sm=48),
+    "sm120": dict(smem_per_sm_kib=100, smem_per_block_kib=99, registers_per_sm=65536,
+                  max_threads_per_sm=1536, max_blocks_per_sm=24, max_warps_per_sm=48),
 }
 
 # Limits common to sm80..sm120 used by occupancy(); same Programming Guide table and the CUDA

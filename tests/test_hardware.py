@@ -45,7 +45,8 @@ def test_published_figures():
     assert hw.gpu("H100").sms == 132 and hw.gpu("H100").peak("fp8") == pytest.approx(1978.9)
     assert hw.gpu("H200").hbm_bandwidth_gbs == 4800 and hw.gpu("H200").hbm_gib == 141
     assert hw.gpu("B200").peak("fp4") == 9000 and hw.gpu("B200").peak("fp16") == 2250
-    assert hw.gpu("RTX5090").smem_per_sm_kib == 128 and hw.gpu("RTX5090").max_threads_per_sm == 1536
+    assert hw.gpu("RTX5090").smem_per_sm_kib == 100 and hw.gpu("RTX5090").max_threads_per_sm == 1536
+    assert hw.gpu("RTX5090").max_blocks_per_sm == 24 and hw.gpu("A100").max_blocks_per_sm == 32
 
 
 def test_unknown_gpu_and_dtype_errors_name_what_is_known():
@@ -91,8 +92,9 @@ def test_occupancy_each_limiter():
     assert hw.occupancy("A100", 128, 32, 64 * 1024).blocks_per_sm == 2
     assert hw.occupancy("H100", 128, 32, 64 * 1024).blocks_per_sm == 3
     assert hw.occupancy("H100", 128, 32, 64 * 1024).limiter == "shared memory"
-    # sm120 has 48 warps per SM, so 1024-thread blocks fit only once
+    # sm120 has 48 warps per SM, so 1024-thread blocks fit only once, and at most 24 blocks
     assert hw.occupancy("RTX5090", 1024, 16, 0).blocks_per_sm == 1
+    assert hw.occupancy("RTX5090", 32, 16, 0).blocks_per_sm == 24
 
 
 def test_occupancy_register_granularity_per_sub_partition():
