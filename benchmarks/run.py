@@ -55,8 +55,32 @@ def flash_attention() -> list[dict]:
     return rows
 
 
+def flash_decode() -> list[dict]:
+    """Split-K decode (kernels.attention.flash_decode) against the unsplit decode_attention kernel, fp16,
+    Llama-2-70B's attention shape (64 query heads, 8 K/V heads, d = 128)."""
+    from kernels.attention import choose_num_splits, decode_attention
+    from kernels.attention import flash_decode as split_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch in (1, 8, 64):
+        for length in (4096, 16384, 65536):
+            q = torch.randn(batch, 64, 128, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(batch, 8, length, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+            lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+            splits = choose_num_splits(batch, 8, length, sms)
+            bytes_moved = 2 * batch * 8 * length * 128 * 2
+            for impl, fn in ((f"flash_decode-{splits}-splits", lambda: split_decode(q, k, v, lens, splits)),
+                             ("decode_attention", lambda: decode_attention(q, k, v, lens))):
+                median, lo, hi = bench.time_ms(fn)
+                rows.append({"impl": impl, "B": batch, "Hq": 64, "Hkv": 8, "L": length, "D": 128, "dtype": "float16",
+                             "ms": median, "ms_p20": lo, "ms_p80": hi, "gbs": bytes_moved / (median * 1e-3) / 1e9})
+    return rows
+
+
 BENCHMARKS = {"matmul": matmul}
 BENCHMARKS["flash_attention"] = flash_attention
+BENCHMARKS["flash_decode"] = flash_decode
 
 
 def main(argv: list[str] | None = None) -> int:
