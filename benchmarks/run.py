@@ -78,9 +78,19 @@ def flash_decode() -> list[dict]:
     return rows
 
 
-BENCHMARKS = {"matmul": matmul}
-BENCHMARKS["flash_attention"] = flash_attention
-BENCHMARKS["flash_decode"] = flash_decode
+def memory_copy() -> list[dict]:
+    """The memory chapter's copy kernel against torch's clone, at three sizes."""
+    from kernels.memory.copy import bench_copy
+
+    return bench_copy(record=False)
+
+
+BENCHMARKS = {
+    "matmul": matmul,
+    "memory-copy": memory_copy,
+    "flash_attention": flash_attention,
+    "flash_decode": flash_decode,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
