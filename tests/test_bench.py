@@ -47,3 +47,19 @@ def test_gpu_timing_and_record(tmp_path):
     path = bench.record("selftest", [{"n": x.numel(), "ms": median}], command="pytest", results_dir=tmp_path)
     prov = json.loads(path.read_text())["provenance"]
     assert prov["device"] and prov["driver"] and prov["capability"].startswith("sm")
+
+
+def test_every_benchmark_a_chapter_names_can_be_run():
+    """A chapter that tells readers to run `python -m benchmarks.run NAME` must name a real benchmark."""
+    import re
+    from pathlib import Path
+
+    from benchmarks.run import BENCHMARKS
+
+    root = Path(__file__).resolve().parent.parent
+    pattern = re.compile(r"""(?:missing_note|bench\.load|BENCH_NAME\s*=)\(?\s*["']([\w-]+)["']""")
+    named = set()
+    for path in [*root.glob("book/**/*.ipynb"), *root.glob("kernels/**/*.py")]:
+        named |= set(pattern.findall(path.read_text()))
+    assert named, "no chapter names a benchmark"
+    assert named <= set(BENCHMARKS), f"named but not registered in benchmarks/run.py: {sorted(named - set(BENCHMARKS))}"
