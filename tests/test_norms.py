@@ -10,12 +10,13 @@ import triton.language as tl
 
 from kernels import runtime
 from kernels.norms import (
-    batch_norm_ref, layer_norm, layer_norm_backward_ref, layer_norm_ref, rms_norm, rms_norm_backward_ref, rms_norm_ref,
+    batch_norm, batch_norm_ref, layer_norm, layer_norm_backward_ref, layer_norm_ref, rms_norm, rms_norm_backward_ref, rms_norm_ref,
 )
 from kernels.norms.common import MAX_FEATURES
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 # The modules themselves: the package's names layer_norm and rms_norm are the re-exported functions.
+bn_mod = importlib.import_module("kernels.norms.batch_norm")
 ln_mod = importlib.import_module("kernels.norms.layer_norm")   # the modules, not the re-exported functions
 rms_mod = importlib.import_module("kernels.norms.rms_norm")
 
@@ -220,6 +221,51 @@ def test_batch_norm_gradcheck_and_errors():
         batch_norm_ref(torch.ones(4, 3, dtype=torch.int32), None, None, training=True)
 
 
+@pytest.mark.parametrize("shape", [(8, 3), (4, 3, 5), (2, 3, 4, 5), (1, 2, 3000), (37, 5, 2)], ids=str)
+def test_batch_norm_kernel_train_eval_running_stats(shape):
+    """The forward-only Triton BatchNorm against F.batch_norm, inputs inside a NaN canary."""
+    c = shape[1]
+    w, b = _t((c,), seed=1), _t((c,), seed=2)
+    rm, rv = torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE)
+    rm_t, rv_t = rm.clone(), rv.clone()
+    for step in range(2):
+        x = _t(shape, scale=2.0, shift=1.0, seed=20 + step)
+        y = batch_norm(nan_canary(x), rm, rv, w, b, training=True)
+        assert_close(y, F.batch_norm(x, rm_t, rv_t, w, b, training=True), name=f"train step {step}")
+        assert_close(rm, rm_t, name="running_mean")
+        assert_close(rv, rv_t, name="running_var")
+    x = _t(shape, seed=30)
+    assert_close(batch_norm(x, rm, rv, w, b), F.batch_norm(x, rm_t, rv_t, w, b), name="eval")
+    assert_close(batch_norm(x, None, None, training=True), F.batch_norm(x, None, None, training=True), name="no stats")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_norm_kernel_dtypes_and_layouts(dtype):
+    x = _t((6, 4, 3, 5), dtype, scale=3.0, shift=-2.0).permute(0, 1, 3, 2)     # non-contiguous
+    w, b = _t((4,), dtype, seed=1), _t((4,), dtype, seed=2)
+    y = batch_norm(x, None, None, w, b, training=True)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, batch_norm_ref(x, None, None, w, b, training=True), dtype=dtype, name=f"batch_norm {dtype}")
+
+
+def test_batch_norm_kernel_errors():
+    x = torch.randn(4, 3, device=DEVICE)
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        batch_norm(torch.ones(4, 3, dtype=torch.int64, device=DEVICE), None, None, training=True)
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        batch_norm(torch.ones(3, device=DEVICE), None, None, training=True)
+    with pytest.raises(ValueError, match=r"weight must be a tensor of shape \(3,\)"):
+        batch_norm(x, None, None, torch.ones(4, device=DEVICE), training=True)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        batch_norm(torch.ones(1, 3, device=DEVICE), None, None, training=True)
+    with pytest.raises(ValueError, match="needs running_mean"):
+        batch_norm(x, None, None)
+    with pytest.raises(ValueError, match="both running_mean and running_var"):
+        batch_norm(x, torch.zeros(3, device=DEVICE), None, training=True)
+    with pytest.raises(ValueError, match="forward-only"):
+        batch_norm(x.clone().requires_grad_(), None, None, training=True)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
@@ -340,6 +386,45 @@ def _rms_bwd_no_projection_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += g * x * rstd[:, None]
     tl.store(dw_part_ptr + pid * n + cols, tl.sum(dw_acc, axis=0), mask=cols < n)
+
+
+@triton.jit
+def _bn_biased_running_var_kernel(x_ptr, mean_ptr, rstd_ptr, rmean_ptr, rvar_ptr, N, C, L, eps, momentum,
+                                  UPDATE_RUNNING: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
+    c = tl.program_id(0)
+    ns = tl.arange(0, BLOCK_N)
+    ls = tl.arange(0, BLOCK_L)
+    s1 = tl.zeros((BLOCK_N, BLOCK_L), tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        for l0 in range(0, L, BLOCK_L):
+            mask = ((n0 + ns)[:, None] < N) & ((l0 + ls)[None, :] < L)
+            s1 += tl.load(x_ptr + (n0 + ns)[:, None] * C * L + c * L + (l0 + ls)[None, :], mask=mask, other=0.0)
+    mean = tl.sum(tl.sum(s1, axis=1), axis=0) / (N * L)
+    s2 = tl.zeros((BLOCK_N, BLOCK_L), tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        for l0 in range(0, L, BLOCK_L):
+            mask = ((n0 + ns)[:, None] < N) & ((l0 + ls)[None, :] < L)
+            x = tl.load(x_ptr + (n0 + ns)[:, None] * C * L + c * L + (l0 + ls)[None, :], mask=mask, other=0.0)
+            d = tl.where(mask, x - mean, 0.0)
+            s2 += d * d
+    var = tl.sum(tl.sum(s2, axis=1), axis=0) / (N * L)
+    tl.store(mean_ptr + c, mean)
+    tl.store(rstd_ptr + c, 1.0 / tl.sqrt(var + eps))
+    if UPDATE_RUNNING:
+        tl.store(rmean_ptr + c, (1.0 - momentum) * tl.load(rmean_ptr + c) + momentum * mean)
+        tl.store(rvar_ptr + c, (1.0 - momentum) * tl.load(rvar_ptr + c) + momentum * var)  # BROKEN: biased
+
+
+def test_broken_batch_norm_running_variance_is_caught(monkeypatch):
+    x = _t((4, 3, 2), seed=7)                               # 8 values per channel: unbiased = 8/7 biased
+    rm, rv = torch.zeros(3, device=DEVICE), torch.ones(3, device=DEVICE)
+    rm_t, rv_t = rm.clone(), rv.clone()
+    F.batch_norm(x, rm_t, rv_t, training=True)
+    monkeypatch.setattr(bn_mod, "_batch_norm_stats_kernel", _bn_biased_running_var_kernel)
+    y = batch_norm(x, rm, rv, training=True)
+    assert_close(y, F.batch_norm(x, None, None, training=True), name="output is still right")
+    with pytest.raises(MismatchError, match="running_var"):
+        assert_close(rv, rv_t, name="running_var")
 
 
 def test_broken_one_pass_variance_is_caught(monkeypatch):

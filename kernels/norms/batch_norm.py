@@ -12,14 +12,22 @@ axis and every spatial position, i.e. over all axes except 1:
 
 So in training one sample's output depends on the other samples in its batch; in eval it does
 not. Semantics are those of ``torch.nn.functional.batch_norm`` (momentum=None, the cumulative
-average, is not supported). No kernel: no LLM in this course uses BatchNorm, and the chapter's
-kernels are the per-row norms (LayerNorm, RMSNorm).
+average, is not supported).
+
+:func:`batch_norm` is a forward-only Triton version (no LLM in this course trains with BatchNorm;
+the chapter's differentiable kernels are the per-row norms). Its reduction runs the other way:
+``_batch_norm_stats_kernel`` gives each program one *channel* and walks the batch axis, reading
+that channel's contiguous segments of L = H*W values that lie C*L apart in memory, where a
+LayerNorm program owns one contiguous row.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.norms.common import wide
+from kernels import runtime
+from kernels.norms.common import SUPPORTED_DTYPES, wide
 
 
 def batch_norm_ref(
@@ -70,3 +78,126 @@ def batch_norm_ref(
     if bias is not None:
         y = y + wide(bias).view(shape)
     return y
+
+
+@triton.jit
+def _batch_norm_stats_kernel(
+    x_ptr, mean_ptr, rstd_ptr, rmean_ptr, rvar_ptr,
+    N, C, L, eps, momentum,
+    UPDATE_RUNNING: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Program c: mean and biased variance of x[:, c, :] for x viewed as (N, C, L), two passes;
+    then running <- (1 - momentum) running + momentum * (mean, unbiased variance)."""
+    c = tl.program_id(0).to(tl.int64)
+    ns = tl.arange(0, BLOCK_N)
+    ls = tl.arange(0, BLOCK_L)
+    count = N * L
+    acc = tl.zeros((BLOCK_N, BLOCK_L), tl.float32)
+    for n0 in range(0, N, BLOCK_N):                       # walk the batch axis ...
+        n = (n0 + ns).to(tl.int64)
+        for l0 in range(0, L, BLOCK_L):                   # ... and the spatial positions
+            l = l0 + ls
+            mask = (n[:, None] < N) & (l[None, :] < L)
+            acc += tl.load(x_ptr + n[:, None] * C * L + c * L + l[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(tl.sum(acc, axis=1), axis=0) / count
+    acc = tl.zeros((BLOCK_N, BLOCK_L), tl.float32)
+    for n0 in range(0, N, BLOCK_N):                       # second pass: sum of (x - mean)^2
+        n = (n0 + ns).to(tl.int64)
+        for l0 in range(0, L, BLOCK_L):
+            l = l0 + ls
+            mask = (n[:, None] < N) & (l[None, :] < L)
+            x = tl.load(x_ptr + n[:, None] * C * L + c * L + l[None, :], mask=mask, other=0.0).to(tl.float32)
+            d = tl.where(mask, x - mean, 0.0)
+            acc += d * d
+    var = tl.sum(tl.sum(acc, axis=1), axis=0) / count     # biased: used to normalize
+    tl.store(mean_ptr + c, mean)
+    tl.store(rstd_ptr + c, 1.0 / tl.sqrt(var + eps))
+    if UPDATE_RUNNING:
+        rm = tl.load(rmean_ptr + c).to(tl.float32)
+        rv = tl.load(rvar_ptr + c).to(tl.float32)
+        unbiased = var * count / (count - 1)
+        tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty))
+        tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _batch_norm_apply_kernel(
+    x_ptr, y_ptr, scale_ptr, shift_ptr, total, C, L, BLOCK: tl.constexpr,
+):
+    """y = x * scale[c] + shift[c] elementwise, c = (flat index // L) % C."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    c = (offs // L) % C
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + c, mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + c, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, (x * scale + shift).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def batch_norm(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.batch_norm`` forward in Triton for x of shape (N, C, *), fp16/bf16/fp32; not differentiable.
+
+    Training: per-channel batch statistics (``_batch_norm_stats_kernel``, one program per channel),
+    running statistics updated in place when given. Eval: the running statistics. Then one
+    elementwise pass, y = x * scale_c + shift_c with scale = w * rstd and shift = b - mean * scale.
+    Returns x's dtype.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"batch_norm: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"batch_norm: x has dtype {x.dtype}; supported: float16, bfloat16, float32")
+    if x.dim() < 2:
+        raise ValueError(f"batch_norm: x must be (N, C, *) with at least 2 dimensions, got {tuple(x.shape)}")
+    if x.device.type != runtime.device().type:
+        raise ValueError(f"batch_norm: x is on {x.device}, kernels run on {runtime.device()} here")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("batch_norm: the Triton BatchNorm is forward-only; use batch_norm_ref (or F.batch_norm) to train")
+    N, C = x.shape[0], x.shape[1]
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (C,)):
+            raise ValueError(f"batch_norm: {name} must be a tensor of shape ({C},) for x of shape {tuple(x.shape)}")
+        if t is not None and (t.device != x.device or not t.is_contiguous()):
+            raise ValueError(f"batch_norm: {name} must be a contiguous tensor on {x.device}")
+    if momentum is None:
+        raise ValueError("batch_norm: momentum=None (cumulative moving average) is not supported")
+    xc = x.contiguous()                                  # (N, C, L) with L = prod of the spatial dims
+    L = xc.numel() // max(N * C, 1)
+    if training:
+        if N * L <= 1:
+            raise ValueError(f"batch_norm: training needs more than 1 value per channel, got x of shape {tuple(x.shape)}")
+        if (running_mean is None) != (running_var is None):
+            raise ValueError("batch_norm: pass both running_mean and running_var, or neither")
+        mean = torch.empty(C, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(C, dtype=torch.float32, device=x.device)
+        update = running_mean is not None
+        block_l = min(triton.next_power_of_2(max(L, 1)), 1024)
+        block_n = max(1, min(triton.next_power_of_2(N), 4096 // block_l))
+        _batch_norm_stats_kernel[(C,)](
+            xc, mean, rstd, running_mean if update else mean, running_var if update else rstd,
+            N, C, L, float(eps), float(momentum),
+            UPDATE_RUNNING=update, BLOCK_N=block_n, BLOCK_L=block_l,
+        )
+    else:
+        if running_mean is None or running_var is None:
+            raise ValueError("batch_norm: eval mode (training=False) needs running_mean and running_var")
+        mean = running_mean.float()
+        rstd = torch.rsqrt(running_var.float() + eps)
+    scale = rstd * (weight.float() if weight is not None else 1.0)          # (C,) fp32: O(C) work on the host side
+    shift = (bias.float() if bias is not None else 0.0) - mean * scale
+    y = torch.empty_like(xc)
+    total = xc.numel()
+    block = 1024 if runtime.runtime().on_gpu else 8192
+    if total:
+        _batch_norm_apply_kernel[(triton.cdiv(total, block),)](
+            xc, y, scale.contiguous(), shift.contiguous(), total, C, L, BLOCK=block,
+        )
+    return y.view(x.shape)
