@@ -102,3 +102,9 @@ def test_the_rules_catch_a_bad_notebook():
     bad["metadata"]["course"]["chapter"] = "no-such-chapter"
     assert "not a chapter ID" in chapter_problems(bad, "book/x.ipynb")[0]
     assert "book/x" not in toc_files()
+
+
+def test_toc_is_generated_from_the_syllabus():
+    from tools import toc
+
+    assert (ROOT / "_toc.yml").read_text() == toc.render(), "_toc.yml is out of date: run `python -m tools.toc`"
