@@ -35,9 +35,15 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          cache_seqlens: torch.Tensor) -> torch.Tensor:
-    """The reference in fp32 from the same inputs; returns (B, Hq, D) in q's dtype."""
+    """The reference in fp32 from the same inputs; returns (B, Hq, D) in q's dtype.
+
+    Only the first max_b(L_b) cache positions are touched (the rest of a preallocated cache is
+    neither read nor multiplied), so its FLOPs are those of the filled part.
+    """
     B, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[1]
+    S = int(cache_seqlens.max()) if B else 0
+    k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
     group = Hq // Hkv
     k = k_cache.float().repeat_interleave(group, dim=1)                 # (B, Hq, S, D)
     v = v_cache.float().repeat_interleave(group, dim=1)
