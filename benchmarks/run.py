@@ -85,7 +85,66 @@ def memory_copy() -> list[dict]:
     return bench_copy(record=False)
 
 
+def _row_bench(impls, shape, dtype, bytes_moved) -> list[dict]:
+    """Time each (name, fn) of a forward pass; GB/s from the bytes the pass must move at least."""
+    rows = []
+    for impl, fn in impls:
+        median, lo, hi = bench.time_ms(fn)
+        rows.append({"impl": impl, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "pass": "forward",
+                     "ms": median, "ms_p20": lo, "ms_p80": hi, "gbs": bytes_moved / (median * 1e-3) / 1e9})
+    return rows
+
+
+def softmax() -> list[dict]:
+    """kernels.softmax.softmax (one block per row up to 4096, online beyond) against torch.softmax, fp16;
+    GB/s counts the minimum traffic, one read and one write per element."""
+    from kernels.softmax import softmax as triton_softmax
+
+    rows = []
+    for n in (1024, 4096, 8192, 32000):
+        x = torch.randn(16384 * 1024 // n, n, device="cuda", dtype=torch.float16)
+        rows += _row_bench((("triton", lambda: triton_softmax(x)), ("torch.softmax", lambda: torch.softmax(x, -1))),
+                           x.shape, x.dtype, 2 * x.numel() * x.element_size())
+    return rows
+
+
+def norms() -> list[dict]:
+    """kernels.norms rms_norm and layer_norm forward against torch.nn.functional, bf16, LLaMA widths."""
+    import torch.nn.functional as F
+
+    from kernels.norms import layer_norm, rms_norm
+
+    rows = []
+    for d in (2048, 4096, 8192):
+        x = torch.randn(16384, d, device="cuda", dtype=torch.bfloat16)
+        w, b = torch.randn(d, device="cuda", dtype=torch.bfloat16), torch.randn(d, device="cuda", dtype=torch.bfloat16)
+        traffic = 2 * x.numel() * x.element_size()
+        rows += _row_bench((("triton rms_norm", lambda: rms_norm(x, w, 1e-6)),
+                            ("F.rms_norm", lambda: F.rms_norm(x, (d,), w, 1e-6)),
+                            ("triton layer_norm", lambda: layer_norm(x, w, b, 1e-5)),
+                            ("F.layer_norm", lambda: F.layer_norm(x, (d,), w, b, 1e-5))),
+                           x.shape, x.dtype, traffic)
+    return rows
+
+
+def gated_mlp() -> list[dict]:
+    """kernels.mlp.swiglu against F.silu(gate) * up, bf16, LLaMA-7B's hidden width; GB/s counts 3 tensors."""
+    import torch.nn.functional as F
+
+    from kernels.mlp import swiglu
+
+    rows = []
+    for tokens in (2048, 8192, 32768):
+        gate, up = (torch.randn(tokens, 11008, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rows += _row_bench((("triton swiglu", lambda: swiglu(gate, up)), ("F.silu(gate) * up", lambda: F.silu(gate) * up)),
+                           gate.shape, gate.dtype, 3 * gate.numel() * gate.element_size())
+    return rows
+
+
 BENCHMARKS = {
+    "softmax": softmax,
+    "norms": norms,
+    "gated-mlp": gated_mlp,
     "matmul": matmul,
     "memory-copy": memory_copy,
     "flash_attention": flash_attention,
