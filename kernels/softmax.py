@@ -105,8 +105,8 @@ def online_softmax_ref(x: torch.Tensor, dim: int = -1, block: int = 128) -> torc
         raise ValueError(f"block must be at least 1, got {block}")
     xw = _wide(x).movedim(dim, -1)                         # (..., n)
     shape = (*xw.shape[:-1], 1)
-    m = torch.full(shape, float("-inf"), dtype=xw.dtype)   # running max, (..., 1)
-    l = torch.zeros(shape, dtype=xw.dtype)                 # running sum of exp(x - m)
+    m = torch.full(shape, float("-inf"), dtype=xw.dtype, device=xw.device)   # running max, (..., 1)
+    l = torch.zeros(shape, dtype=xw.dtype, device=xw.device)                 # running sum of exp(x - m)
     for start in range(0, xw.shape[-1], block):
         m_b, l_b = softmax_stats(xw[..., start:start + block])
         m, l = merge_softmax_stats(m, l, m_b, l_b)

@@ -184,7 +184,7 @@ def test_hand_derived_backwards_equal_autograd(weight):
 def test_batch_norm_training_and_running_stats(shape):
     c = shape[1]
     w, b = _t((c,), seed=1), _t((c,), seed=2)
-    rm, rv = torch.zeros(c), torch.ones(c)
+    rm, rv = torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE)
     rm_t, rv_t = rm.clone(), rv.clone()
     for step in range(3):
         x = _t(shape, scale=2.0, shift=1.0, seed=10 + step)
@@ -200,7 +200,7 @@ def test_batch_norm_training_and_running_stats(shape):
 
 def test_batch_norm_train_depends_on_batch_eval_does_not():
     x = _t((6, 4), seed=5)
-    rm, rv = torch.zeros(4), torch.ones(4)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
     alone = batch_norm_ref(x[:3], rm.clone(), rv.clone(), training=True)[0]
     together = batch_norm_ref(x, rm.clone(), rv.clone(), training=True)[0]
     assert (alone - together).abs().max() > 1e-2       # sample 0's output moved with its batch mates
