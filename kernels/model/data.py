@@ -1,7 +1,7 @@
 """The tiny GPT's text, tokenizer and batches.
 
 The tokenizer is the identity on UTF-8 bytes: token id = byte value, vocabulary 256. For a model of
-about a million parameters trained for a few CPU minutes that is the honest choice: it has no
+about a million parameters trained for minutes on a CPU that is the honest choice: it has no
 training of its own, encodes any string with no unknown token, and puts all of the model's
 capacity into the one thing a model this size can learn (spelling, punctuation, speaker turns). A
 subword tokenizer (GPT-2's has 50,257 entries) would make the embedding table alone dozens of times
