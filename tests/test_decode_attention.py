@@ -121,3 +121,21 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q, k, v[:, :, :8], L)
     with pytest.raises(ValueError, match="block_s"):
         decode_attention(q, k, v, L, block_s=24)
+
+
+def test_default_block_keeps_the_gpu_product_small(monkeypatch):
+    """On a GPU the (group x BLOCK_S x D) product stays at most 8192 values (no register spills);
+    the interpreter takes 64 positions per iteration."""
+    import triton
+
+    from kernels.attention import decode as dec
+    assert dec.default_block_s(4, 128) == (64 if runtime.runtime().interpreted else 16)
+
+    class _GPU:
+        interpreted = False
+    monkeypatch.setattr(dec.runtime, "runtime", lambda: _GPU())
+    for group, d in [(1, 32), (1, 128), (3, 40), (4, 128), (8, 128), (16, 256)]:
+        bs = dec.default_block_s(group, d)
+        assert bs >= 16 and bs & (bs - 1) == 0
+        assert bs == 16 or triton.next_power_of_2(group) * triton.next_power_of_2(d) * bs <= dec.GPU_PRODUCT_ELEMENTS
+    assert dec.default_block_s(4, 128) == 16

@@ -158,14 +158,33 @@ def _launch(q, k_cache, v_cache, cache_seqlens, *, block_s: int, mask_length: bo
     return out
 
 
+# The per-block product q[:, None, :] * k[None, :, :] holds BLOCK_G x BLOCK_S x BLOCK_D fp32 values.
+# Compiled (Triton 3.7.1) for sm80/sm90 with BLOCK_G=4, BLOCK_D=128 and 4 warps, BLOCK_S=64 needs 255 registers per
+# thread and spills to local memory; BLOCK_S=16 needs 168 and does not. So on a GPU the block is sized
+# to keep that product at 8192 values; the interpreter, where each loop iteration costs time, takes 64.
+GPU_PRODUCT_ELEMENTS = 8192
+
+
+def default_block_s(group: int, head_dim: int) -> int:
+    """BLOCK_S for a group of ``group`` query heads of dimension ``head_dim`` on this device."""
+    if runtime.runtime().interpreted:
+        return 64
+    per_position = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim)
+    return max(16, min(128, triton.next_power_of_2(max(1, GPU_PRODUCT_ELEMENTS // per_position) + 1) // 2))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_seqlens: torch.Tensor, *, block_s: int = 64) -> torch.Tensor:
+                     cache_seqlens: torch.Tensor, *, block_s: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its first ``cache_seqlens[b]`` cached positions.
 
     q (B, Hq, D), k_cache and v_cache (B, Hkv, S_max, D) with Hq a multiple of Hkv, cache_seqlens (B,)
     integers in [0, S_max]; any strides. Returns (B, Hq, D) in q's dtype; zeros where the cache is empty.
+    ``block_s`` (cache positions per loop iteration, a power of two >= 16) defaults to
+    :func:`default_block_s`.
     """
     _check_inputs(q, k_cache, v_cache, cache_seqlens)
+    if block_s is None:
+        block_s = default_block_s(q.shape[1] // k_cache.shape[1], q.shape[2])
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"decode_attention: block_s must be a power of two >= 16, got {block_s}")
     return _launch(q, k_cache, v_cache, cache_seqlens, block_s=block_s, mask_length=True)
