@@ -1,0 +1,81 @@
+"""Grouped-query and multi-query attention: KV cache sizes, and converting a checkpoint's K/V heads.
+
+With Hq query heads and Hkv key/value heads, query head h reads K/V head h // (Hq / Hkv)
+(``kernels.attention.flash_attention`` and ``decode_attention`` take the Hkv heads as they are, never
+repeated in memory). Hkv = Hq is MHA, Hkv = 1 is MQA (Shazeer 2019), anything between is GQA
+(Ainslie et al. 2023).
+
+The KV cache of a decoder holds, per layer, K and V for every cached position:
+
+    bytes = 2 (K and V) * n_layer * Hkv * head_dim * positions * batch * bytes per element
+
+so it shrinks by Hq / Hkv against MHA. Ainslie et al. convert an MHA checkpoint to GQA by
+**mean-pooling** the key and value projection heads of each group, then continue training briefly
+("uptraining"). :func:`mean_pool_kv_heads` does the pooling on a projection weight and
+:func:`pool_gpt_kv_heads` on a whole :class:`kernels.model.gpt.GPT`; :func:`repeat_gpt_kv_heads` goes
+the other way (GQA to MHA, exact: every query head keeps reading the same K/V).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def kv_cache_bytes(n_layer: int, n_kv_head: int, head_dim: int, positions: int, batch: int = 1,
+                   bytes_per_element: int = 2) -> int:
+    """Bytes of a KV cache: 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_element."""
+    for name, val in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("head_dim", head_dim),
+                      ("bytes_per_element", bytes_per_element)):
+        if val < 1:
+            raise ValueError(f"kv_cache_bytes: {name} must be >= 1, got {val}")
+    if positions < 0 or batch < 0:
+        raise ValueError(f"kv_cache_bytes: positions and batch must be >= 0, got {positions}, {batch}")
+    return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_element
+
+
+def mean_pool_kv_heads(weight: torch.Tensor, n_kv_head: int, new_kv_head: int) -> torch.Tensor:
+    """A K or V projection weight (n_kv_head * D, C) -> (new_kv_head * D, C), each new head the mean
+    of the n_kv_head / new_kv_head consecutive old heads it replaces."""
+    if weight.dim() != 2 or weight.shape[0] % n_kv_head:
+        raise ValueError(f"mean_pool_kv_heads: weight must be (n_kv_head * D, C) with n_kv_head={n_kv_head}, "
+                         f"got {tuple(weight.shape)}")
+    if new_kv_head < 1 or n_kv_head % new_kv_head:
+        raise ValueError(f"mean_pool_kv_heads: new_kv_head={new_kv_head} must divide n_kv_head={n_kv_head}")
+    D, C = weight.shape[0] // n_kv_head, weight.shape[1]
+    group = n_kv_head // new_kv_head
+    return weight.reshape(new_kv_head, group, D, C).mean(dim=1).reshape(new_kv_head * D, C)
+
+
+def _with_kv_heads(model, n_kv_head: int, transform):
+    from kernels.model.gpt import GPT, GPTConfig
+
+    cfg = model.config
+    new_cfg = GPTConfig(**{**cfg.__dict__, "n_kv_head": n_kv_head})
+    new = GPT(new_cfg)
+    state = copy.deepcopy(model.state_dict())
+    for name in list(state):
+        if name.endswith("attn.wk.weight") or name.endswith("attn.wv.weight"):
+            state[name] = transform(state[name])
+    new.load_state_dict(state)
+    return new.eval()
+
+
+def pool_gpt_kv_heads(model, n_kv_head: int):
+    """A copy of a tiny GPT with its K/V heads mean-pooled down to ``n_kv_head`` (no retraining)."""
+    old = model.config.n_kv_head
+    return _with_kv_heads(model, n_kv_head, lambda w: mean_pool_kv_heads(w, old, n_kv_head))
+
+
+def repeat_gpt_kv_heads(model, n_kv_head: int):
+    """A copy with each K/V head repeated so there are ``n_kv_head`` (e.g. GQA -> MHA); the function is unchanged."""
+    old = model.config.n_kv_head
+    if n_kv_head % old or n_kv_head > model.config.n_head:
+        raise ValueError(f"repeat_gpt_kv_heads: n_kv_head={n_kv_head} must be a multiple of {old} and <= n_head")
+    rep = n_kv_head // old
+
+    def transform(w):
+        D = w.shape[0] // old
+        return w.reshape(old, 1, D, w.shape[1]).expand(old, rep, D, w.shape[1]).reshape(n_kv_head * D, w.shape[1])
+
+    return _with_kv_heads(model, n_kv_head, transform)

@@ -1,0 +1,105 @@
+# Solutions for labs/07-attention/flash-attention-forward.ipynb (format: tools/labs.py).
+# CI runs the lab with each solution swapped in, and once per wrong block, expecting that task's
+# check cell, and only that one, to fail.
+
+# %% solution online-step
+def online_step(m, l, acc, s_blk, v_blk):
+    m_new = torch.maximum(m, s_blk.amax(dim=-1, keepdim=True))
+    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)                      # exp(m - m_new): 0 while m was -inf
+    p = torch.exp(s_blk - m_safe)                      # this block's unnormalised probabilities
+    l_new = alpha * l + p.sum(dim=-1, keepdim=True)
+    acc_new = alpha * acc + p @ v_blk
+    return m_new, l_new, acc_new
+
+# %% wrong online-step: forgets to rescale the accumulator when the max grows
+def online_step(m, l, acc, s_blk, v_blk):
+    m_new = torch.maximum(m, s_blk.amax(dim=-1, keepdim=True))
+    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(s_blk - m_safe)
+    l_new = alpha * l + p.sum(dim=-1, keepdim=True)
+    acc_new = acc + p @ v_blk
+    return m_new, l_new, acc_new
+
+# %% wrong online-step: exponentiates against m_new without the -inf guard (NaN on fully masked rows)
+def online_step(m, l, acc, s_blk, v_blk):
+    m_new = torch.maximum(m, s_blk.amax(dim=-1, keepdim=True))
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(s_blk - m_new)
+    return m_new, alpha * l + p.sum(dim=-1, keepdim=True), alpha * acc + p @ v_blk
+
+# %% solution triton-inner-loop
+@triton.jit
+def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
+                         stride_qh, stride_qm, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_om,
+                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start_n in range(0, Nk, BLOCK_N):
+        n = start_n + offs_n
+        kv_mask = (n[:, None] < Nk) & (offs_d[None, :] < D)
+        k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = n[None, :] < Nk
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + (Nk - Nq))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(o_ptr + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], o,
+             mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+
+# %% wrong triton-inner-loop: forgets to rescale the accumulator (acc * alpha)
+@triton.jit
+def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
+                         stride_qh, stride_qm, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_om,
+                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start_n in range(0, Nk, BLOCK_N):
+        n = start_n + offs_n
+        kv_mask = (n[:, None] < Nk) & (offs_d[None, :] < D)
+        k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = n[None, :] < Nk
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + (Nk - Nq))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(o_ptr + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], o,
+             mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
