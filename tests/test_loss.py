@@ -204,4 +204,4 @@ def test_peak_memory_measurement_sees_the_logits():
     unfused, fused = res["unfused"]["peak_extra_bytes"], res["fused"]["peak_extra_bytes"]
     assert abs(res["unfused"]["loss"] - res["fused"]["loss"]) < 1e-4
     assert unfused > 2 * 128 * 2048 * 4          # at least two fp32 logits-sized tensors
-    assert unfused > 2 * fused
+    assert fused < 128 * 2048 * 4              # below one logits-sized tensor
