@@ -259,3 +259,51 @@ def test_tiled_reference_recurrence(Nq, Nk, causal):
     bad, _ = tiled_attention_ref(q, k, v, causal, block_n=16, rescale=False)
     with pytest.raises(MismatchError):
         assert_close(bad, ref)
+
+
+# ---- GPU only ---------------------------------------------------------------------------------
+
+ON_GPU = runtime.runtime().on_gpu
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: SDPA's flash backend and compiled Triton")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_matches_sdpa_flash_backend(dtype, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(15)
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    ref = attention_ref(q, k, v, causal)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    ours = flash_attention(q, k, v, causal)
+    assert_close(theirs, ref, dtype=dtype, baseline=attention_ref(q, k, v, causal, upcast=False), name="sdpa flash")
+    assert_close(ours, ref, dtype=dtype, baseline=theirs, name="flash_attention vs SDPA's own error")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: torch.cuda memory statistics")
+def test_gpu_peak_memory_has_no_n_by_n_tensor():
+    n, d = 8192, 64
+    q, k, v = (torch.randn(1, 4, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    flash_attention(q, k, v, True)                       # compile first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    flash_attention(q, k, v, True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < 4 * n * n * 2 / 16                    # far below one (N x N) fp16 score matrix per head
+    assert extra <= 2 * (4 * n * d * 2 + 4 * n * 4)      # about O and lse
+
+
+def test_backward_with_a_broadcast_gradient():
+    """o.sum().backward() hands the kernel a dO with stride 0 everywhere; strides are honoured."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1, 20, 24, 16, torch.float32, seed=16))
+    flash_attention(q, k, v, True).sum().backward()
+    got = [t.grad for t in (q, k, v)]
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_ref(*wide, True).sum().backward()
+    low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    attention_ref(*low, True, upcast=False).sum().backward()
+    for name, g, w, b in zip("qkv", got, wide, low):
+        assert_close(g, w.grad, dtype=torch.float32, baseline=b.grad, name=f"d{name}")
