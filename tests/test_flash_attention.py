@@ -105,7 +105,7 @@ def test_lse_is_logsumexp_and_fully_masked_rows():
     assert torch.equal(o[:, :, :15], torch.zeros_like(o[:, :, :15]))
     assert torch.isneginf(lse[:, :, :15]).all() and torch.isfinite(lse[:, :, 15:]).all()
     s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 4.0
-    visible = torch.arange(5)[None, :] <= torch.arange(20)[:, None] - 15
+    visible = torch.arange(5, device=DEVICE)[None, :] <= torch.arange(20, device=DEVICE)[:, None] - 15
     want = torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1)
     assert_close(lse[:, :, 15:], want[:, :, 15:].float())
     _, ref_lse = attention_ref(q, k, v, True, return_lse=True)
@@ -196,7 +196,7 @@ def test_missing_key_mask_is_caught_by_canaries():
 def test_backward_without_the_delta_term_is_caught():
     """dS = P * dP (forgetting - D_i, D = rowsum(dO * O)) gives wrong dq and dk."""
     q, k, v = _qkv(1, 2, 1, 20, 30, 16, torch.float32, seed=11)
-    do = torch.randn(1, 2, 20, 16, generator=torch.Generator().manual_seed(12))
+    do = torch.randn(1, 2, 20, 16, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     o, lse = flash_mod._forward(q, k, v, True, 0.25)
     wide = [t.double().requires_grad_() for t in (q, k, v)]
     want = torch.autograd.grad(attention_ref(*wide, True, sm_scale=0.25), wide, do.double())

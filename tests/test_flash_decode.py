@@ -83,7 +83,7 @@ def test_split_and_combine_are_exact(num_splits):
 def test_combine_order_does_not_matter_and_empty_splits_drop_out():
     q, k, v, L = _case(1, 2, 1, 40, 8, torch.float32, [40], seed=3)
     m, l, o = split_ref(q.double(), k.double(), v.double(), L, 4)
-    perm = torch.tensor([2, 0, 3, 1])
+    perm = torch.tensor([2, 0, 3, 1], device=DEVICE)
     assert_close(combine_ref(m[..., perm], l[..., perm], o[..., perm, :]), combine_ref(m, l, o))
     pad_m = torch.cat([m, torch.full_like(m[..., :1], float("-inf"))], -1)
     pad_l = torch.cat([l, torch.zeros_like(l[..., :1])], -1)
@@ -160,7 +160,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="num_splits"):
         flash_decode(q, k, v, L, 0)
     with pytest.raises(ValueError, match="cache_seqlens must lie"):
-        flash_decode(q, k, v, torch.tensor([17, 3], dtype=torch.int32))
+        flash_decode(q, k, v, torch.tensor([17, 3], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cache_seqlens must be"):
         flash_decode(q, k, v, L.float())
     with pytest.raises(ValueError, match="multiple of Hkv"):

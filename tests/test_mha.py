@@ -8,7 +8,10 @@ import torch
 import torch.nn as nn
 
 from kernels.attention.mha import MultiHeadAttention, masked_attention_ref
+from kernels import runtime
 from kernels.testing import MismatchError, assert_close
+
+DEVICE = runtime.device()
 
 
 def _pair(d_model=48, heads=6, seed=0, bias=True):
@@ -40,8 +43,8 @@ def test_cross_attention_and_no_bias():
 
 def test_kernel_path_matches_reference_path_gqa():
     torch.manual_seed(2)
-    m = MultiHeadAttention(64, 4, 2)
-    x = torch.randn(2, 37, 64)
+    m = MultiHeadAttention(64, 4, 2).to(DEVICE)
+    x = torch.randn(2, 37, 64).to(DEVICE)
     m64 = copy.deepcopy(m).double()
     for causal in (False, True):
         with torch.no_grad():

@@ -77,9 +77,9 @@ def split_ref(q, k_cache, v_cache, cache_seqlens, num_splits):
     Hkv = k_cache.shape[1]
     k = k_cache.to(wide).repeat_interleave(Hq // Hkv, dim=1)
     v = v_cache.to(wide).repeat_interleave(Hq // Hkv, dim=1)
-    m = torch.full((B, Hq, num_splits), float("-inf"), dtype=wide)
-    l = torch.zeros((B, Hq, num_splits), dtype=wide)
-    o = torch.zeros((B, Hq, num_splits, D), dtype=wide)
+    m = torch.full((B, Hq, num_splits), float("-inf"), dtype=wide, device=q.device)
+    l = torch.zeros((B, Hq, num_splits), dtype=wide, device=q.device)
+    o = torch.zeros((B, Hq, num_splits, D), dtype=wide, device=q.device)
     for b in range(B):
         L = int(cache_seqlens[b])
         chunk = -(-L // num_splits) if L else 0
