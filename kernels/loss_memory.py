@@ -1,4 +1,8 @@
-"""Peak memory of the LM-head loss on the CPU, fused (chunked) against unfused, each in a fresh process.
+"""Peak memory of the LM-head loss on the CPU, fused (chunked) against unfused, measured two ways.
+
+:func:`tensor_peak_bytes` counts the bytes of PyTorch tensors alive (:class:`TensorPeak`): exact,
+deterministic, blind to memory that is not a tensor. :func:`peak_extra_bytes` measures the
+process's resident memory, each case in its own process: it sees everything, coarsely.
 
 What is measured: the growth of the process's peak resident set (the larger of Linux's ``VmHWM``
 and the resident set read after every PyTorch operation, minus the ``VmRSS`` just before the loss), over one forward and backward of the loss, in a separate process
@@ -20,6 +24,86 @@ import json
 import os
 import subprocess
 import sys
+
+
+class TensorPeak:
+    """Peak bytes of PyTorch tensor storage created inside a ``with`` block, forward and backward.
+
+    A dispatch mode sees the output of every PyTorch operation (autograd's backward included); each
+    new storage is tracked through a weak reference to the C++ storage, so it counts for as long as
+    anything (a view, a tensor saved for backward, a gradient) keeps it alive, not just the Python
+    object that first held it. After every operation the live total is compared with the peak.
+    Memory that is not a PyTorch tensor (the Triton interpreter's NumPy temporaries, one block of a
+    row at a time) is not counted. Deterministic, and exact at the level of storages.
+
+        with TensorPeak() as probe:
+            loss = f(x); loss.backward()
+        probe.peak_bytes
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        probe = self
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[object, int]] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                probe._observe(out)
+                return out
+
+        self._mode = _Mode()
+
+    def _observe(self, out) -> None:
+        import torch
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        stack = [out]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, torch.Tensor) and item.layout == torch.strided and item.device.type != "meta":
+                storage = item.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._live:
+                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._live.values()))
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def tensor_peak_bytes(N: int, C: int, V: int, chunk: int = 32) -> dict[str, dict]:
+    """Peak bytes of the tensors the unfused and the chunked loss create (forward + backward), in this
+    process, with :class:`TensorPeak`; inputs and their existing storage are not counted."""
+    import kernels  # noqa: F401  (before triton)
+    import torch
+
+    from kernels.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+
+    g = torch.Generator().manual_seed(0)
+    h0 = torch.randn(N, C, generator=g)
+    w0 = torch.randn(V, C, generator=g) / C ** 0.5
+    t = torch.randint(0, V, (N,), generator=g)
+    out = {}
+    for kind in ("unfused", "fused"):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with TensorPeak() as probe:
+            if kind == "fused":
+                loss = fused_linear_cross_entropy(h, w, t, chunk_size=chunk)
+            else:
+                loss = fused_linear_cross_entropy_ref(h, w, t)
+            loss.backward()
+        out[kind] = {"kind": kind, "loss": loss.item(), "peak_bytes": probe.peak_bytes}
+    return out
 
 
 def _status(field: str) -> int:
@@ -66,6 +150,7 @@ def _run_case(kind: str, N: int, C: int, V: int, chunk: int) -> dict:
     with _SampleRSS():
         small = loss_fn(h[:4].detach().requires_grad_(), w[:16].detach().requires_grad_(), t[:4] % 16, 2)
         small.backward()
+    _release_free_heap()
     base = _status("VmRSS")
     _SampleRSS.peak = base
     with _SampleRSS():
@@ -88,6 +173,16 @@ def _fixed_mmap_threshold(threshold: int = 128 * 1024) -> None:
     libc = ctypes.CDLL("libc.so.6")
     M_MMAP_THRESHOLD = -3
     libc.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
+def _release_free_heap() -> None:
+    """Give every free page of glibc's heaps back to the OS (``malloc_trim(0)``).
+
+    Free chunks left by earlier work would otherwise serve new allocations from pages that are
+    already resident, and the measurement would not see them.
+    """
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _forked_case(kind: str, N: int, C: int, V: int, chunk: int) -> dict:
@@ -126,7 +221,8 @@ def peak_extra_bytes(N: int, C: int, V: int, chunk: int = 32, kinds=("unfused", 
     peak extra bytes.
 
     ``fork=True`` (Linux): a forked child of this process, with glibc's mmap threshold fixed (see
-    :func:`_fixed_mmap_threshold`), so nothing is imported again. ``fork=False``: a fresh Python
+    :func:`_fixed_mmap_threshold`) and its free heap pages returned before the measurement, so
+    nothing is imported again. ``fork=False``: a fresh Python
     process per case (slower: it imports torch and triton), run side by side.
     """
     for kind in kinds:

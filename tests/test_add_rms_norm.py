@@ -94,13 +94,13 @@ def test_broken_variant_without_residual_gradient_is_caught():
 
 
 def test_bad_inputs_raise_clear_errors():
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="residual shape"):
-        add_rms_norm(x, torch.randn(4, 9), None)
+        add_rms_norm(x, torch.randn(4, 9, device=DEVICE), None)
     with pytest.raises(TypeError, match="residual has dtype"):
-        add_rms_norm(x, torch.randn(4, 8, dtype=torch.float16), None)
+        add_rms_norm(x, torch.randn(4, 8, dtype=torch.float16, device=DEVICE), None)
     with pytest.raises(ValueError, match="weight must have shape"):
-        add_rms_norm(x, torch.randn(4, 8), torch.ones(7))
+        add_rms_norm(x, torch.randn(4, 8, device=DEVICE), torch.ones(7, device=DEVICE))
     with pytest.raises(TypeError, match="x has dtype"):
         add_rms_norm(x.long(), x.long(), None)
     with pytest.raises(ValueError, match="eps"):

@@ -74,9 +74,9 @@ def test_reference_matches_full_attention_on_the_last_row():
     """Decode attention for the query at position L-1 equals row L-1 of causal attention."""
     g = torch.Generator().manual_seed(3)
     Hq, L, D = 4, 12, 16
-    q_all, k_all, v_all = (torch.randn(1, Hq, L, D, generator=g) for _ in range(3))
+    q_all, k_all, v_all = (torch.randn(1, Hq, L, D, generator=g).to(DEVICE) for _ in range(3))
     full = torch.nn.functional.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True)
-    out = decode_attention(q_all[:, :, -1], k_all, v_all, torch.tensor([L], dtype=torch.int32))
+    out = decode_attention(q_all[:, :, -1], k_all, v_all, torch.tensor([L], dtype=torch.int32, device=DEVICE))
     assert_close(out, full[:, :, -1])
 
 
@@ -112,7 +112,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="multiple of Hkv"):
         decode_attention(q[:, :3], k, v, L)
     with pytest.raises(ValueError, match="cache_seqlens must lie in"):
-        decode_attention(q, k, v, torch.tensor([3, 17], dtype=torch.int32))
+        decode_attention(q, k, v, torch.tensor([3, 17], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cache_seqlens must be a"):
         decode_attention(q, k, v, L.float())
     with pytest.raises(TypeError, match="share a dtype"):

@@ -78,7 +78,7 @@ def test_ignore_index_everywhere_in_a_row_and_everywhere():
     ref, dref = _loss_and_grad(F.cross_entropy, x, t)
     assert_close(loss, ref)
     assert_close(dx, dref)
-    assert torch.equal(dx[0], torch.zeros(9)) and torch.equal(dx[2], torch.zeros(9))
+    assert torch.equal(dx[0], torch.zeros(9, device=DEVICE)) and torch.equal(dx[2], torch.zeros(9, device=DEVICE))
     # every row ignored: PyTorch's mean is 0/0 = NaN; so is ours, and no gradient flows
     t_all = torch.full((4,), -100, device=DEVICE)
     loss, dx = _loss_and_grad(cross_entropy, x, t_all)
@@ -126,19 +126,19 @@ def test_broken_variant_without_max_subtraction_is_caught():
 
 
 def test_cross_entropy_bad_inputs():
-    x = torch.randn(4, 9)
+    x = torch.randn(4, 9, device=DEVICE)
     with pytest.raises(ValueError, match="target shape"):
-        cross_entropy(x, torch.zeros(5, dtype=torch.long))
+        cross_entropy(x, torch.zeros(5, dtype=torch.long, device=DEVICE))
     with pytest.raises(TypeError, match="target must be int64 or int32"):
-        cross_entropy(x, torch.zeros(4))
+        cross_entropy(x, torch.zeros(4, device=DEVICE))
     with pytest.raises(ValueError, match=r"target values must be in \[0, 9\)"):
-        cross_entropy(x, torch.tensor([0, 1, 9, 2]))
+        cross_entropy(x, torch.tensor([0, 1, 9, 2], device=DEVICE))
     with pytest.raises(ValueError, match="label_smoothing"):
-        cross_entropy(x, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+        cross_entropy(x, torch.zeros(4, dtype=torch.long, device=DEVICE), label_smoothing=1.5)
     with pytest.raises(ValueError, match="reduction"):
-        cross_entropy(x, torch.zeros(4, dtype=torch.long), reduction="avg")
+        cross_entropy(x, torch.zeros(4, dtype=torch.long, device=DEVICE), reduction="avg")
     with pytest.raises(TypeError, match="logits have dtype"):
-        cross_entropy(x.long(), torch.zeros(4, dtype=torch.long))
+        cross_entropy(x.long(), torch.zeros(4, dtype=torch.long, device=DEVICE))
 
 
 # ---------------------------------------------------------------- fused linear cross-entropy
@@ -191,17 +191,36 @@ def test_fused_linear_bad_inputs():
     with pytest.raises(ValueError, match="chunk_size"):
         fused_linear_cross_entropy(h, w, t, chunk_size=0)
     with pytest.raises(ValueError, match="target values"):
-        fused_linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 10]))
+        fused_linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 10], device=DEVICE))
     with pytest.raises(RuntimeError, match="reduction='none'"):
         loss = fused_linear_cross_entropy(h.requires_grad_(), w, t, reduction="none")
         loss.sum().backward()
 
 
+def test_tensor_peak_of_the_unfused_and_chunked_loss():
+    """Tensors alive at the peak: about three (N, V) fp32 tensors unfused (logits, saved log-softmax,
+    gradient), and for the chunked loss two (chunk, V) slices plus the (V, C) and (N, C) gradients."""
+    from kernels.loss_memory import TensorPeak, tensor_peak_bytes
+    N, C, V, chunk = 128, 16, 512, 16
+    res = tensor_peak_bytes(N, C, V, chunk)
+    unfused, fused = res["unfused"]["peak_bytes"], res["fused"]["peak_bytes"]
+    assert abs(res["unfused"]["loss"] - res["fused"]["loss"]) < 1e-5
+    assert 2.9 * N * V * 4 < unfused < 3.5 * N * V * 4, res
+    analytic = 2 * chunk * V * 4 + 2 * V * C * 4 + 2 * N * C * 4
+    assert 0.8 * analytic < fused < 2 * analytic, (res, analytic)
+    # the probe sees a tensor as long as a view of it lives, not only its first Python object
+    with TensorPeak() as probe:
+        view = torch.empty(1000)[::2]
+    assert probe.peak_bytes == 4000 and view.numel() == 500
+
+
+@pytest.mark.skipif(runtime.runtime().on_gpu, reason="a CPU measurement: resident memory of CPU tensors")
 def test_peak_memory_measurement_sees_the_logits():
-    """The chunked loss's peak resident memory is well below the unfused one (forked children, Linux)."""
+    """The process's resident memory grows by at least the unfused loss's logits-sized tensors
+    (forked children, Linux). The chunked case is not asserted: at this size its resident growth is
+    page-level noise from the interpreter."""
     from kernels.loss_memory import peak_extra_bytes
-    res = peak_extra_bytes(128, 16, 2048, 16)
-    unfused, fused = res["unfused"]["peak_extra_bytes"], res["fused"]["peak_extra_bytes"]
+    N, C, V = 256, 16, 2048
+    res = peak_extra_bytes(N, C, V, 16)
     assert abs(res["unfused"]["loss"] - res["fused"]["loss"]) < 1e-4
-    assert unfused > 2 * 128 * 2048 * 4          # at least two fp32 logits-sized tensors
-    assert fused < 128 * 2048 * 4              # below one logits-sized tensor
+    assert res["unfused"]["peak_extra_bytes"] > 2.5 * N * V * 4, res

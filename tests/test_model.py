@@ -1,6 +1,7 @@
 """kernels.model: the committed tiny GPT, its two paths (Triton kernels vs pure PyTorch), the KV cache,
 the counting formulas, AdamW written out, and the batching."""
 import kernels  # noqa: F401  (before triton, which torch.utils.flop_counter imports)
+import copy
 import json
 
 import pytest
@@ -11,8 +12,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from kernels.model import data
 from kernels.model.gpt import GPT, GPTConfig, KVCache, MODEL_DIR, count_parameters, forward_flops, load_pretrained
 from kernels.model.train import adamw_update, evaluate, validation_slice
+from kernels import runtime
 from kernels.testing import assert_close
 
+DEVICE = runtime.device()
 METRICS = json.loads((MODEL_DIR / "metrics.json").read_text())
 
 
@@ -50,7 +53,7 @@ def test_kernel_path_matches_pure_pytorch(model):
     """Same logits from the Triton path and the PyTorch path, judged against a float64 run of the
     PyTorch path: the kernel path's error may be at most twice the fp32 PyTorch path's own."""
     idx = data.encode("ROMEO:\nBut soft, what light").view(1, -1)
-    fast = model(idx, use_kernels=True)
+    fast = copy.deepcopy(model).to(DEVICE)(idx.to(DEVICE), use_kernels=True).cpu()
     pure = model(idx)
     exact = _double(model)(idx)
     assert_close(fast, exact, dtype=torch.float32, baseline=pure, name="kernel-path logits")
@@ -66,7 +69,8 @@ def test_generation_with_and_without_cache_is_identical(model):
 def test_generation_through_decode_attention_kernel(model):
     prompt = data.encode("OTHELLO:\n").view(1, -1)
     ref = model.generate(prompt, 3, use_cache=False)
-    assert torch.equal(model.generate(prompt, 3, use_cache=True, use_kernels=True), ref)
+    on_device = copy.deepcopy(model).to(DEVICE)
+    assert torch.equal(on_device.generate(prompt.to(DEVICE), 3, use_cache=True, use_kernels=True).cpu(), ref)
 
 
 def test_cached_decode_with_different_lengths_matches_full_forward(model):
