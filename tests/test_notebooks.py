@@ -1,6 +1,7 @@
 """The notebook rules: every book notebook is in the table of contents, carries its chapter ID,
 was executed top to bottom, and holds no error output. (nbval then re-executes each one.)"""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,32 @@ def test_toc_is_generated_from_the_syllabus():
     from tools import toc
 
     assert (ROOT / "_toc.yml").read_text() == toc.render(), "_toc.yml is out of date: run `python -m tools.toc`"
+
+
+def citation_problems(nb: dict, relpath: str) -> list[str]:
+    """Chapters cite with {footcite} and end with a {footbibliography}: per-page references that
+    never collide across pages (a {cite} key used on two pages is a duplicate citation)."""
+    text = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    problems = []
+    if re.search(r"\{cite(:[a-z]+)?\}|```\{bibliography\}", text):
+        problems.append(f"{relpath}: uses {{cite}} or {{bibliography}}; use {{footcite}} and {{footbibliography}}")
+    if "{footcite" in text and "{footbibliography}" not in text:
+        problems.append(f"{relpath}: cites but has no {{footbibliography}}")
+    keys = set(re.findall(r"\{footcite(?::[a-z]+)?\}`([^`]+)`", text))
+    known = set(re.findall(r"^@\w+\{([^,]+),", (ROOT / "references.bib").read_text(), re.M))
+    missing = {k.strip() for ks in keys for k in ks.split(",")} - known
+    if missing:
+        problems.append(f"{relpath}: cites keys missing from references.bib: {sorted(missing)}")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=rel)
+def test_notebook_citations(path):
+    assert not citation_problems(json.loads(path.read_text()), rel(path))
+
+
+def test_citation_rules_can_fail():
+    md = lambda s: {"cells": [{"cell_type": "markdown", "source": s}]}  # noqa: E731
+    assert "use {footcite}" in citation_problems(md("see {cite}`x`"), "a")[0]
+    assert "no {footbibliography}" in citation_problems(md("see {footcite}`tillet2019triton`"), "a")[0]
+    assert "no-such-key" in citation_problems(md("{footcite}`no-such-key`\n```{footbibliography}\n```"), "a")[0]
