@@ -109,34 +109,35 @@ def _decode_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-def _check_inputs(q, k_cache, v_cache, cache_seqlens) -> None:
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name: str = "decode_attention") -> None:
+    """Validate the decode-attention arguments (shared by every decode kernel); errors start with ``name``."""
+    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"decode_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != runtime.device().type:
-            raise ValueError(f"decode_attention: {name} is on {t.device}, kernels run on {runtime.device()} here")
+            raise ValueError(f"{name}: {arg} is on {t.device}, kernels run on {runtime.device()} here")
     if q.dim() != 3:
-        raise ValueError(f"decode_attention: q must be (B, Hq, D), got shape {tuple(q.shape)}")
+        raise ValueError(f"{name}: q must be (B, Hq, D), got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
-        raise ValueError(f"decode_attention: k_cache must be (B, Hkv, S_max, D), got shape {tuple(k_cache.shape)}")
+        raise ValueError(f"{name}: k_cache must be (B, Hkv, S_max, D), got shape {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"decode_attention: v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+        raise ValueError(f"{name}: v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
     B, Hq, D = q.shape
     Bk, Hkv, S, Dk = k_cache.shape
     if Bk != B or Dk != D:
-        raise ValueError(f"decode_attention: q is (B={B}, Hq={Hq}, D={D}) but k_cache is (B={Bk}, Hkv={Hkv}, S={S}, D={Dk})")
+        raise ValueError(f"{name}: q is (B={B}, Hq={Hq}, D={D}) but k_cache is (B={Bk}, Hkv={Hkv}, S={S}, D={Dk})")
     if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"decode_attention: Hq={Hq} must be a multiple of Hkv={Hkv}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"decode_attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+            raise TypeError(f"{name}: {arg} has dtype {t.dtype}; supported: float16, bfloat16, float32")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"decode_attention: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise TypeError(f"{name}: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if cache_seqlens.shape != (B,) or cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"decode_attention: cache_seqlens must be a (B,)=({B},) int32/int64 tensor, "
+        raise ValueError(f"{name}: cache_seqlens must be a (B,)=({B},) int32/int64 tensor, "
                          f"got {tuple(cache_seqlens.shape)} {cache_seqlens.dtype}")
     if B and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > S):
-        raise ValueError(f"decode_attention: cache_seqlens must lie in [0, S_max={S}], got "
+        raise ValueError(f"{name}: cache_seqlens must lie in [0, S_max={S}], got "
                          f"min {int(cache_seqlens.min())}, max {int(cache_seqlens.max())}")
 
 
@@ -182,7 +183,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``block_s`` (cache positions per loop iteration, a power of two >= 16) defaults to
     :func:`default_block_s`.
     """
-    _check_inputs(q, k_cache, v_cache, cache_seqlens)
+    check_decode_inputs(q, k_cache, v_cache, cache_seqlens)
     if block_s is None:
         block_s = default_block_s(q.shape[1] // k_cache.shape[1], q.shape[2])
     if block_s < 16 or block_s & (block_s - 1):

@@ -33,10 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import runtime
+from kernels.attention.decode import check_decode_inputs
 from kernels.softmax import merge_softmax_stats
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 # FlashDecoding++ fallback window, in natural-log units of (score - phi): exp(score - phi) stays
 # within fp32 (exp(80) ~ 5.5e34, times up to 2**20 positions stays below 3.4e38) and a row whose
@@ -220,33 +219,7 @@ def _flash_decode_combine_kernel(
 
 
 def _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, name) -> None:
-    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != runtime.device().type:
-            raise ValueError(f"{name}: {arg} is on {t.device}, kernels run on {runtime.device()} here")
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be (B, Hq, D), got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"{name}: k_cache and v_cache must both be (B, Hkv, S_max, D), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    B, Hq, D = q.shape
-    Bk, Hkv, S, Dk = k_cache.shape
-    if Bk != B or Dk != D:
-        raise ValueError(f"{name}: q is (B={B}, Hq={Hq}, D={D}) but k_cache is (B={Bk}, Hkv={Hkv}, S_max={S}, D={Dk})")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv}")
-    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: {arg} has dtype {t.dtype}; supported: float16, bfloat16, float32")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"{name}: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if cache_seqlens.shape != (B,) or cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: cache_seqlens must be a (B,)=({B},) int32/int64 tensor, "
-                         f"got {tuple(cache_seqlens.shape)} {cache_seqlens.dtype}")
-    if B and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > S):
-        raise ValueError(f"{name}: cache_seqlens must lie in [0, S_max={S}], got min {int(cache_seqlens.min())}, "
-                         f"max {int(cache_seqlens.max())}")
+    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= 256:
         raise ValueError(f"{name}: num_splits must be an int in [1, 256], got {num_splits!r}")
 

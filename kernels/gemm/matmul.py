@@ -66,23 +66,28 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"matmul: inputs are on {a.device}, kernels run on {runtime.device()} here")
 
 
+def _launch(kernel, a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int) -> torch.Tensor:
+    """Validate, allocate C (M, N) in the inputs' dtype, and run ``kernel`` on one program per tile."""
+    _check_inputs(a, b)
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    kernel[grid](
+        a, b, c, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return c
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
     """``a @ b`` for 2-D fp16 or fp32 tensors of any size and strides; the result has the inputs' dtype.
 
     fp32 inputs multiply in full fp32 (``input_precision="ieee"``), not TF32, so the kernel can be
     checked at fp32 tolerance on a GPU as on the CPU.
     """
-    _check_inputs(a, b)
-    M, K = a.shape
-    N = b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _matmul_kernel[grid](
-        a, b, c, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
-    return c
+    return _launch(_matmul_kernel, a, b, block_m, block_n, block_k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,14 +119,4 @@ def _matmul_no_k_mask_kernel(
 
 def matmul_no_k_mask(a: torch.Tensor, b: torch.Tensor, *, block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
     """The broken variant above, launched like :func:`matmul`. Wrong whenever K % block_k != 0."""
-    _check_inputs(a, b)
-    M, K = a.shape
-    N = b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _matmul_no_k_mask_kernel[grid](
-        a, b, c, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
-    return c
+    return _launch(_matmul_no_k_mask_kernel, a, b, block_m, block_n, block_k)
