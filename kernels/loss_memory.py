@@ -1,8 +1,9 @@
-"""Peak memory of the LM-head loss on the CPU, fused (chunked) against unfused, measured two ways.
+"""Peak memory of the LM-head loss, fused (chunked) against unfused, measured two ways.
 
 :func:`tensor_peak_bytes` counts the bytes of PyTorch tensors alive (:class:`TensorPeak`): exact,
-deterministic, blind to memory that is not a tensor. :func:`peak_extra_bytes` measures the
-process's resident memory, each case in its own process: it sees everything, coarsely.
+deterministic, blind to memory that is not a tensor; it runs on the kernels' device.
+:func:`peak_extra_bytes` measures the process's resident memory, each case in its own process: it
+sees everything, coarsely, and only on the CPU (with a GPU it raises: the tensors are not in it).
 
 What is measured: the growth of the process's peak resident set (the larger of Linux's ``VmHWM``
 and the resident set read after every PyTorch operation, minus the ``VmRSS`` just before the loss), over one forward and backward of the loss, in a separate process
@@ -68,7 +69,8 @@ class TensorPeak:
             elif isinstance(item, torch.Tensor) and item.layout == torch.strided and item.device.type != "meta":
                 storage = item.untyped_storage()
                 key = storage.data_ptr()
-                if key and key not in self._live:
+                # an address may be reused (allocators do): a dead entry there is a new storage
+                if key and (key not in self._live or self._live[key][0].expired()):
                     self._live[key] = (StorageWeakRef(storage), storage.nbytes())
         self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
         self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._live.values()))
@@ -83,16 +85,20 @@ class TensorPeak:
 
 def tensor_peak_bytes(N: int, C: int, V: int, chunk: int = 32) -> dict[str, dict]:
     """Peak bytes of the tensors the unfused and the chunked loss create (forward + backward), in this
-    process, with :class:`TensorPeak`; inputs and their existing storage are not counted."""
+    process, with :class:`TensorPeak`; inputs and their existing storage are not counted. The tensors
+    live on the kernels' device (``kernels.runtime.device()``); the inputs are drawn on the CPU, so
+    they are the same numbers everywhere."""
     import kernels  # noqa: F401  (before triton)
     import torch
 
+    from kernels import runtime
     from kernels.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 
+    dev = runtime.device()
     g = torch.Generator().manual_seed(0)
-    h0 = torch.randn(N, C, generator=g)
-    w0 = torch.randn(V, C, generator=g) / C ** 0.5
-    t = torch.randint(0, V, (N,), generator=g)
+    h0 = torch.randn(N, C, generator=g).to(dev)
+    w0 = (torch.randn(V, C, generator=g) / C ** 0.5).to(dev)
+    t = torch.randint(0, V, (N,), generator=g).to(dev)
     out = {}
     for kind in ("unfused", "fused"):
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -225,6 +231,11 @@ def peak_extra_bytes(N: int, C: int, V: int, chunk: int = 32, kinds=("unfused", 
     nothing is imported again. ``fork=False``: a fresh Python
     process per case (slower: it imports torch and triton), run side by side.
     """
+    import kernels  # noqa: F401  (before triton)
+    from kernels import runtime
+    if runtime.runtime().on_gpu:
+        raise RuntimeError("peak_extra_bytes measures the resident memory of CPU tensors, and on a GPU the kernels "
+                           "take GPU tensors only: use tensor_peak_bytes there")
     for kind in kinds:
         if kind not in ("fused", "unfused"):
             raise ValueError(f"peak_extra_bytes: kind must be 'fused' or 'unfused', got {kind!r}")
