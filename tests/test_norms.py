@@ -368,9 +368,9 @@ def _rms_no_col_mask_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, 
 
 
 @triton.jit
-def _rms_bwd_no_projection_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                                  n_rows, n, stride_x, stride_g, stride_dx, n_tiles,
-                                  HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr,
+def _rms_bwd_no_projection_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
+                                  n_rows, n, stride_x, stride_g, stride_dx, stride_dres, n_tiles,
+                                  HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, ADD_DRES: tl.constexpr,
                                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)

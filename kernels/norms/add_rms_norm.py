@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import as_rows, backward_programs, block_sizes, check_norm_inputs, sum_partials
+from kernels.norms.common import as_rows, backward_programs, block_sizes, check_norm_inputs, num_warps, sum_partials
+from kernels.norms.rms_norm import _rms_norm_bwd_kernel
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
@@ -61,43 +62,6 @@ def _add_rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
-@triton.jit
-def _add_rms_norm_bwd_kernel(
-    h_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-    n_rows, n, stride_h, stride_dy, stride_dh, stride_dx, n_tiles,
-    HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, RESIDUAL_GRAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-    for tile in range(pid, n_tiles, n_prog):
-        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & col_ok[None, :]
-        h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        hhat = h * rstd[:, None]
-        if HAS_WEIGHT:
-            gw = dy * w[None, :]
-        else:
-            gw = dy
-        c1 = tl.sum(gw * hhat, axis=1) / n                               # mean(gw * hhat)
-        d = (gw - hhat * c1[:, None]) * rstd[:, None]                    # through the norm
-        if RESIDUAL_GRAD:                                                # False only in the tests' broken variant
-            d += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], d.to(dx_ptr.dtype.element_ty), mask=mask)
-        if NEED_DW:
-            dw_acc += dy * hhat
-    if NEED_DW:
-        tl.store(dw_part_ptr + pid * n + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
-
-
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, residual_grad=True):
@@ -132,11 +96,13 @@ class _AddRMSNorm(torch.autograd.Function):
         dx2 = torch.empty((n_rows, n), dtype=h2.dtype, device=h2.device)
         dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=h2.device)
         if n_rows:
-            _add_rms_norm_bwd_kernel[(n_prog,)](
-                h2, weight if weight is not None else h2, dy2, dh2, rstd, dx2, dw_part,
-                n_rows, n, h2.stride(0), dy2.stride(0), dh2.stride(0), dx2.stride(0), n_tiles,
-                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, RESIDUAL_GRAD=ctx.residual_grad,
-                BLOCK_R=block_r, BLOCK_N=block_n,
+            # The norm's backward on h, plus the gradient h receives directly (dh) when ADD_DRES is
+            # on; residual_grad=False exists only for the tests' broken variant.
+            _rms_norm_bwd_kernel[(n_prog,)](
+                h2, weight if weight is not None else h2, dy2, rstd, dx2, dw_part, dh2,
+                n_rows, n, h2.stride(0), dy2.stride(0), dx2.stride(0), dh2.stride(0), n_tiles,
+                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=ctx.residual_grad,
+                BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps(block_r * block_n),
             )
         dw = sum_partials(dw_part, h2.dtype) if need_dw else None
         dx = dx2.view(ctx.shape)

@@ -78,10 +78,13 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-    n_rows, n, stride_x, stride_g, stride_dx, n_tiles,
-    HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
+    n_rows, n, stride_x, stride_g, stride_dx, stride_dres, n_tiles,
+    HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, ADD_DRES: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # ADD_DRES: x also has a gradient of its own, dres (the residual stream's, in add_rms_norm),
+    # which is added to dx; off for a plain RMSNorm, where dres_ptr is unused.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -103,6 +106,8 @@ def _rms_norm_bwd_kernel(
             gw = g
         c1 = tl.sum(gw * xhat, axis=1) / n                                # mean(gw * xhat)
         dx = (gw - xhat * c1[:, None]) * rstd[:, None]
+        if ADD_DRES:
+            dx += tl.load(dres_ptr + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_DW:
             dw_acc += g * xhat
@@ -142,9 +147,9 @@ class _RMSNorm(torch.autograd.Function):
         dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
         if n_rows:
             _rms_norm_bwd_kernel[(n_prog,)](
-                x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part,
-                n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), n_tiles,
-                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, BLOCK_R=block_r, BLOCK_N=block_n,
+                x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2,
+                n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0, n_tiles,
+                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=False, BLOCK_R=block_r, BLOCK_N=block_n,
                 num_warps=num_warps(block_r * block_n),
             )
         dw = sum_partials(dw_part, x2.dtype) if need_dw else None
