@@ -36,8 +36,9 @@ execute: $(STAMP)
 model: $(STAMP)
 	$(PY) -m kernels.model.train
 
+# JupyterLab on the labs, on loopback only (it refuses to start as root without --allow-root).
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=labs
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=labs $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean:
 	rm -rf _build .pytest_cache
