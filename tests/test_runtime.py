@@ -53,3 +53,22 @@ def test_triton_imported_first_with_interpreter_is_fine():
                       TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
+
+
+def test_interpreter_numpy_warnings_stay_out_of_outputs():
+    """An overflowing exp under the interpreter gives inf, as on a GPU, without a NumPy warning
+    (which would land in a notebook's stderr), even with warnings turned into errors."""
+    code = (
+        "import kernels, torch, triton, triton.language as tl\n"
+        "@triton.jit\n"
+        "def k(x_ptr, y_ptr):\n"
+        "    tl.store(y_ptr + tl.arange(0, 16), tl.exp(tl.load(x_ptr + tl.arange(0, 16))))\n"
+        "x = torch.full((16,), 1000.0); y = torch.empty(16)\n"
+        "k[(1,)](x, y)\n"
+        "print(bool(torch.isinf(y).all()))\n"
+    )
+    if "True" in run_python("import torch; print(torch.cuda.is_available())").stdout:
+        return
+    proc = run_python(code, PYTHONWARNINGS="error")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True"
