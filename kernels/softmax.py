@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
+from kernels.rows import as_rows, num_warps
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A row of at most MAX_BLOCK elements is held in one block (one read of x, one write of y);
@@ -225,22 +226,6 @@ def _check_input(x, dim: int, name: str = "x") -> int:
     return dim % x.dim()
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a (rows, n) view with unit column stride when possible, else a contiguous copy."""
-    n = x.shape[-1]
-    if x.stride(-1) != 1 and n > 1:
-        x = x.contiguous()
-    rows = x.reshape(-1, n)        # a view when the leading dims collapse (e.g. a row-padded buffer)
-    if rows.stride(1) != 1 and n > 1:
-        rows = rows.contiguous()
-    return rows
-
-
-def _num_warps(tile_elements: int) -> int:
-    """Warps per program on a GPU: about 256 tile elements per warp (8 per thread), 1 to 8 warps."""
-    return min(max(tile_elements // 256, 1), 8)
-
-
 def _block_sizes(n_rows: int, n_cols: int, block_size: int | None) -> tuple[int, int]:
     if block_size is not None:
         if block_size < 1 or block_size & (block_size - 1):
@@ -261,10 +246,10 @@ def _forward_rows(x2: torch.Tensor, block_size: int | None) -> torch.Tensor:
     if n_cols <= block_n:
         grid = (triton.cdiv(n_rows, block_r),)
         _softmax_kernel[grid](x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n,
-                              num_warps=_num_warps(block_r * block_n))
+                              num_warps=num_warps(block_r * block_n))
     else:
         _softmax_online_kernel[(n_rows,)](x2, y2, n_cols, x2.stride(0), y2.stride(0), BLOCK_N=block_n,
-                                         num_warps=_num_warps(block_n))
+                                         num_warps=num_warps(block_n))
     return y2
 
 
@@ -277,7 +262,7 @@ def _backward_rows(y2: torch.Tensor, g2: torch.Tensor, block_size: int | None) -
     grid = (triton.cdiv(n_rows, block_r),)
     _softmax_bwd_kernel[grid](
         y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n,
-        num_warps=_num_warps(block_r * block_n),
+        num_warps=num_warps(block_r * block_n),
     )
     return dx2
 
@@ -286,7 +271,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, block_size):
         xl = x.movedim(dim, -1)                     # (..., n): the reduced dimension last
-        y2 = _forward_rows(_as_rows(xl), block_size)
+        y2 = _forward_rows(as_rows(xl), block_size)
         y = y2.view(xl.shape).movedim(-1, dim)
         ctx.save_for_backward(y)
         ctx.dim, ctx.block_size = dim, block_size
@@ -298,7 +283,7 @@ class _Softmax(torch.autograd.Function):
         dim = ctx.dim
         yl = y.movedim(dim, -1)
         gl = g.to(y.dtype).movedim(dim, -1)
-        dx2 = _backward_rows(_as_rows(yl), _as_rows(gl), ctx.block_size)
+        dx2 = _backward_rows(as_rows(yl), as_rows(gl), ctx.block_size)
         return dx2.view(yl.shape).movedim(-1, dim), None, None
 
 

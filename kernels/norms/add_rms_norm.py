@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import as_rows, backward_programs, block_sizes, check_norm_inputs, num_warps, sum_partials
-from kernels.norms.rms_norm import _rms_norm_bwd_kernel
+from kernels.norms.common import block_sizes, check_norm_inputs
+from kernels.norms.rms_norm import backward_rows
+from kernels.rows import as_rows, num_warps
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
@@ -77,6 +78,7 @@ class _AddRMSNorm(torch.autograd.Function):
                 x2, r2, weight if weight is not None else x2, h2, y2, rstd,
                 n_rows, n, x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0), eps,
                 HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+                num_warps=num_warps(block_r * block_n),
             )
         ctx.save_for_backward(h2, weight, rstd)
         ctx.shape = x.shape
@@ -86,25 +88,11 @@ class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dy):
         h2, weight, rstd = ctx.saved_tensors
-        n_rows, n = h2.shape
-        dy2 = as_rows(dy.to(h2.dtype))
-        dh2 = as_rows(dh.to(h2.dtype))
-        block_r, block_n = block_sizes(n_rows, n)
-        n_tiles = triton.cdiv(n_rows, block_r)
-        n_prog = backward_programs(n_tiles)
         need_dw = weight is not None and ctx.needs_input_grad[2]
-        dx2 = torch.empty((n_rows, n), dtype=h2.dtype, device=h2.device)
-        dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=h2.device)
-        if n_rows:
-            # The norm's backward on h, plus the gradient h receives directly (dh) when ADD_DRES is
-            # on; residual_grad=False exists only for the tests' broken variant.
-            _rms_norm_bwd_kernel[(n_prog,)](
-                h2, weight if weight is not None else h2, dy2, rstd, dx2, dw_part, dh2,
-                n_rows, n, h2.stride(0), dy2.stride(0), dx2.stride(0), dh2.stride(0), n_tiles,
-                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=ctx.residual_grad,
-                BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps(block_r * block_n),
-            )
-        dw = sum_partials(dw_part, h2.dtype) if need_dw else None
+        # The norm's backward on h, plus the gradient h receives directly (dh); residual_grad=False
+        # leaves dh out and exists only for the tests' broken variant.
+        dh2 = as_rows(dh.to(h2.dtype)) if ctx.residual_grad else None
+        dx2, dw = backward_rows(h2, weight, rstd, as_rows(dy.to(h2.dtype)), need_dw, dh2)
         dx = dx2.view(ctx.shape)
         # x and residual get the same gradient; separate tensors, so neither can alias the other's .grad
         return dx, dx.clone(), dw, None, None

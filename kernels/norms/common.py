@@ -1,4 +1,5 @@
-"""What the norm kernels share: input checks, the (rows, n) view, block sizes, and the weight-gradient sum.
+"""What the norm kernels share: input checks, block sizes, and the weight-gradient sum (the (rows, n)
+view and the warp count come from :mod:`kernels.rows`).
 
 A norm over the last dimension treats ``x`` as a matrix of ``rows = numel / n`` rows of ``n``
 features. Each forward program normalizes ``BLOCK_R`` whole rows held in one (BLOCK_R, BLOCK_N)
@@ -60,28 +61,11 @@ def check_norm_inputs(fn: str, x, **params) -> int:
     return n
 
 
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a (rows, n) view with unit feature stride when possible, else a contiguous copy."""
-    n = x.shape[-1]
-    if x.stride(-1) != 1 and n > 1:
-        x = x.contiguous()
-    rows = x.reshape(-1, n)  # a view when the leading dimensions collapse (e.g. a row-padded buffer)
-    if rows.stride(1) != 1 and n > 1:
-        rows = rows.contiguous()
-    return rows
-
-
 def block_sizes(n_rows: int, n: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_N): a whole row per block, as many rows as fit in TILE_ELEMENTS."""
     block_n = triton.next_power_of_2(n)
     block_r = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(max(n_rows, 1))))
     return block_r, block_n
-
-
-def num_warps(tile_elements: int) -> int:
-    """Warps per program on a GPU: about 256 tile elements per warp (8 per thread), 1 to 8 warps.
-    Fewer would hold too many values per thread in registers; the interpreter ignores it."""
-    return min(max(tile_elements // 256, 1), 8)
 
 
 def backward_programs(n_tiles: int) -> int:

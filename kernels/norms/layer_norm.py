@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import (
-    as_rows, backward_programs, block_sizes, check_norm_inputs, num_warps, sum_partials, wide,
-)
+from kernels.norms.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
+from kernels.rows import as_rows, num_warps
 
 
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,

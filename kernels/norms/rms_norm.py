@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import (
-    as_rows, backward_programs, block_sizes, check_norm_inputs, num_warps, sum_partials, wide,
-)
+from kernels.norms.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
+from kernels.rows import as_rows, num_warps
 
 
 def _eps(x: torch.Tensor, eps: float | None) -> float:
@@ -137,23 +136,31 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x2, weight, rstd = ctx.saved_tensors
-        n_rows, n = x2.shape
-        g2 = as_rows(g.to(x2.dtype))
-        block_r, block_n = block_sizes(n_rows, n)
-        n_tiles = triton.cdiv(n_rows, block_r)
-        n_prog = backward_programs(n_tiles)
         need_dw = weight is not None and ctx.needs_input_grad[1]
-        dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
-        dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
-        if n_rows:
-            _rms_norm_bwd_kernel[(n_prog,)](
-                x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2,
-                n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0, n_tiles,
-                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=False, BLOCK_R=block_r, BLOCK_N=block_n,
-                num_warps=num_warps(block_r * block_n),
-            )
-        dw = sum_partials(dw_part, x2.dtype) if need_dw else None
+        dx2, dw = backward_rows(x2, weight, rstd, as_rows(g.to(x2.dtype)), need_dw)
         return dx2.view(ctx.x_shape), dw, None
+
+
+def backward_rows(x2, weight, rstd, g2, need_dw: bool, dres2=None):
+    """The RMSNorm backward on (rows, n) views: ``(dx2, dw)``, with ``dw`` None unless ``need_dw``.
+
+    ``dres2`` is a gradient that x receives directly, besides through the norm (the residual
+    stream's, in :mod:`kernels.norms.add_rms_norm`); the kernel adds it into dx.
+    """
+    n_rows, n = x2.shape
+    block_r, block_n = block_sizes(n_rows, n)
+    n_tiles = triton.cdiv(n_rows, block_r)
+    n_prog = backward_programs(n_tiles)
+    dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
+    dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
+    if n_rows:
+        _rms_norm_bwd_kernel[(n_prog,)](
+            x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2 if dres2 is None else dres2,
+            n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0 if dres2 is None else dres2.stride(0), n_tiles,
+            HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=dres2 is not None,
+            BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps(block_r * block_n),
+        )
+    return dx2, (sum_partials(dw_part, x2.dtype) if need_dw else None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
