@@ -80,7 +80,7 @@ def flash_decode() -> list[dict]:
 
 def memory_copy() -> list[dict]:
     """The memory chapter's copy kernel against torch's clone, at three sizes."""
-    from kernels.memory.copy import bench_copy
+    from kernels.gpu.copy import bench_copy
 
     return bench_copy(record=False)
 
@@ -109,10 +109,10 @@ def softmax() -> list[dict]:
 
 
 def norms() -> list[dict]:
-    """kernels.norms rms_norm and layer_norm forward against torch.nn.functional, bf16, LLaMA widths."""
+    """kernels.norm rms_norm and layer_norm forward against torch.nn.functional, bf16, LLaMA widths."""
     import torch.nn.functional as F
 
-    from kernels.norms import layer_norm, rms_norm
+    from kernels.norm import layer_norm, rms_norm
 
     rows = []
     for d in (2048, 4096, 8192):
@@ -131,7 +131,7 @@ def gated_mlp() -> list[dict]:
     """kernels.mlp.swiglu against F.silu(gate) * up, bf16, LLaMA-7B's hidden width; GB/s counts 3 tensors."""
     import torch.nn.functional as F
 
-    from kernels.mlp import swiglu
+    from kernels.mlp.gated import swiglu
 
     rows = []
     for tokens in (2048, 8192, 32768):

@@ -110,7 +110,7 @@ class Module:
 
     def max_active_blocks(self, kernel: str, block_threads: int, dynamic_shared_bytes: int = 0) -> int:
         """The driver's occupancy answer (cuOccupancyMaxActiveBlocksPerMultiprocessor), to check
-        :func:`kernels.hardware.occupancy` against."""
+        :func:`kernels.gpu.hardware.occupancy` against."""
         n = ctypes.c_int()
         _check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.function(kernel),
                                                                     block_threads, dynamic_shared_bytes),

@@ -1,12 +1,12 @@
-"""kernels.norms.add_rms_norm: fused residual add + RMSNorm, forward and backward."""
+"""kernels.norm.add_rms_norm: fused residual add + RMSNorm, forward and backward."""
 import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import runtime
-from kernels.norms import add_rms_norm, add_rms_norm_ref
-from kernels.norms.add_rms_norm import _AddRMSNorm
+from kernels.norm import add_rms_norm, add_rms_norm_ref
+from kernels.norm.add_rms_norm import _AddRMSNorm
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 DTYPES = runtime.runtime().check_dtypes

@@ -4,7 +4,8 @@ import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
 
-from kernels.attention.gqa import kv_cache_bytes, mean_pool_kv_heads, pool_gpt_kv_heads, repeat_gpt_kv_heads
+from kernels.attention.gqa import kv_cache_bytes, mean_pool_kv_heads
+from kernels.model.surgery import pool_gpt_kv_heads, repeat_gpt_kv_heads
 from kernels.model.gpt import GPT, GPTConfig
 from kernels.testing import MismatchError, assert_close
 

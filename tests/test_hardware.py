@@ -1,11 +1,11 @@
-"""kernels/hardware.py: the GPU table, its sources, the roofline helpers and the occupancy calculator."""
+"""kernels/gpu/hardware.py: the GPU table, its sources, the roofline helpers and the occupancy calculator."""
 import re
 from pathlib import Path
 
 import pytest
 
 import kernels  # noqa: F401
-from kernels import hardware as hw
+from kernels.gpu import hardware as hw
 
 ROOT = Path(__file__).resolve().parent.parent
 BIB_KEYS = set(re.findall(r"@\w+\{([^,\s]+),", (ROOT / "references.bib").read_text()))

@@ -1,11 +1,11 @@
-"""kernels.loss: fused cross-entropy (forward + backward) and the chunked LM-head loss."""
+"""kernels.model.lm_head: fused cross-entropy (forward + backward) and the chunked LM-head loss."""
 import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import runtime
-from kernels.loss import (
+from kernels.model.lm_head import (
     _ce_rows, cross_entropy, cross_entropy_ref, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
 )
 from kernels.testing import MismatchError, assert_close, nan_canary
@@ -200,7 +200,7 @@ def test_fused_linear_bad_inputs():
 def test_tensor_peak_of_the_unfused_and_chunked_loss():
     """Tensors alive at the peak: about three (N, V) fp32 tensors unfused (logits, saved log-softmax,
     gradient), and for the chunked loss two (chunk, V) slices plus the (V, C) and (N, C) gradients."""
-    from kernels.loss_memory import TensorPeak, tensor_peak_bytes
+    from kernels.model.lm_head_memory import TensorPeak, tensor_peak_bytes
     N, C, V, chunk = 128, 16, 512, 16
     res = tensor_peak_bytes(N, C, V, chunk)
     unfused, fused = res["unfused"]["peak_bytes"], res["fused"]["peak_bytes"]
@@ -219,7 +219,7 @@ def test_peak_memory_measurement_sees_the_logits():
     """The process's resident memory grows by at least the unfused loss's logits-sized tensors
     (forked children, Linux). The chunked case is not asserted: at this size its resident growth is
     page-level noise from the interpreter."""
-    from kernels.loss_memory import peak_extra_bytes
+    from kernels.model.lm_head_memory import peak_extra_bytes
     N, C, V = 256, 16, 2048
     res = peak_extra_bytes(N, C, V, 16)
     assert abs(res["unfused"]["loss"] - res["fused"]["loss"]) < 1e-4

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 import kernels  # noqa: F401
-from kernels import bench, hardware as hw, runtime
-from kernels.memory import copy as copy_mod
-from kernels.memory import roofline as rl
+from kernels import bench, runtime
+from kernels.gpu import hardware as hw
+from kernels.gpu import copy as copy_mod
+from kernels.gpu import roofline as rl
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 _SKIP_CPU = pytest.mark.skipif(not runtime.runtime().on_gpu, reason="needs a CUDA GPU: bandwidth is only measured on a GPU")

@@ -1,4 +1,4 @@
-"""kernels.mlp: the fused GLU-family kernels (forward and backward), the LLaMA MLP and the 2/3 rule."""
+"""kernels.mlp.gated: the fused GLU-family kernels (forward and backward), the LLaMA MLP and the 2/3 rule."""
 import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from kernels import inspect as kinspect
-from kernels import mlp
+from kernels.mlp import gated as mlp
 from kernels import runtime
-from kernels.mlp import (
+from kernels.mlp.gated import (
     LlamaMLP, geglu, geglu_ref, llama_hidden_size, llama_mlp_ref, mlp_parameters, reglu, reglu_ref, swiglu, swiglu_ref,
 )
 from kernels.testing import MismatchError, assert_close, nan_canary

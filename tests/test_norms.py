@@ -1,4 +1,4 @@
-"""kernels.norms: LayerNorm and RMSNorm kernels (forward and backward) and the BatchNorm reference."""
+"""kernels.norm: LayerNorm and RMSNorm kernels (forward and backward) and the BatchNorm reference."""
 import importlib
 
 import kernels  # noqa: F401  (before triton)
@@ -9,16 +9,16 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.norms import (
+from kernels.norm import (
     batch_norm, batch_norm_ref, layer_norm, layer_norm_backward_ref, layer_norm_ref, rms_norm, rms_norm_backward_ref, rms_norm_ref,
 )
-from kernels.norms.common import MAX_FEATURES
+from kernels.norm.common import MAX_FEATURES
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 # The modules themselves: the package's names layer_norm and rms_norm are the re-exported functions.
-bn_mod = importlib.import_module("kernels.norms.batch_norm")
-ln_mod = importlib.import_module("kernels.norms.layer_norm")   # the modules, not the re-exported functions
-rms_mod = importlib.import_module("kernels.norms.rms_norm")
+bn_mod = importlib.import_module("kernels.norm.batch_norm")
+ln_mod = importlib.import_module("kernels.norm.layer_norm")   # the modules, not the re-exported functions
+rms_mod = importlib.import_module("kernels.norm.rms_norm")
 
 DTYPES = runtime.runtime().check_dtypes
 DEVICE = runtime.device()

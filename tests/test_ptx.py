@@ -528,12 +528,12 @@ def test_cuda_launch_argument_checks():
 @GPU
 def test_gpu_occupancy_calculator_agrees_with_the_driver():
     from kernels import cuda_launch
-    from kernels import hardware as hw
+    from kernels.gpu import hardware as hw
 
     arch = cuda_launch.device_arch()
     table = {g.arch: g for g in hw.GPUS.values()}
     if arch not in table:
-        pytest.skip(f"this GPU ({arch}) has no entry in kernels.hardware")
+        pytest.skip(f"this GPU ({arch}) has no entry in kernels.gpu.hardware")
     g = table[arch]
     mod = cuda_launch.load("cp_async")
     regs = mod.attribute("cp_async_tile_sums", "registers")

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels import softmax as sm
+from kernels.softmax import online as sm
 from kernels.softmax import (
     merge_softmax_stats, naive_softmax_ref, online_softmax_ref, softmax, softmax_ref, softmax_stats,
 )

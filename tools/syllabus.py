@@ -8,8 +8,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SYLLABUS = ROOT / "syllabus.yml"
-# The start chapter comes before the syllabus's parts and has an ID of its own.
-START_CHAPTERS = {"how-kernels-run": "book/00-start/how-kernels-run.ipynb"}
 
 
 @lru_cache(maxsize=1)
@@ -22,8 +20,8 @@ def parts() -> list[dict]:
 
 
 def chapter_paths() -> dict[str, str]:
-    """``{chapter id: notebook path relative to the root}`` for every chapter, the start chapter included."""
-    paths = dict(START_CHAPTERS)
+    """``{chapter id: notebook path relative to the root}`` for every chapter of every part."""
+    paths = {}
     for part in parts():
         for ch in part["chapters"]:
             paths[ch["id"]] = f"{part['folder']}/{ch['id']}.ipynb"

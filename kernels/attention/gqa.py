@@ -11,13 +11,10 @@ The KV cache of a decoder holds, per layer, K and V for every cached position:
 
 so it shrinks by Hq / Hkv against MHA. Ainslie et al. convert an MHA checkpoint to GQA by
 **mean-pooling** the key and value projection heads of each group, then continue training briefly
-("uptraining"). :func:`mean_pool_kv_heads` does the pooling on a projection weight and
-:func:`pool_gpt_kv_heads` on a whole :class:`kernels.model.gpt.GPT`; :func:`repeat_gpt_kv_heads` goes
-the other way (GQA to MHA, exact: every query head keeps reading the same K/V).
+("uptraining"). :func:`mean_pool_kv_heads` does the pooling on a projection weight; the surgery on a
+whole tiny GPT (pooling, or repeating heads to go back to MHA) is in :mod:`kernels.model.surgery`.
 """
 from __future__ import annotations
-
-import copy
 
 import torch
 
@@ -45,37 +42,3 @@ def mean_pool_kv_heads(weight: torch.Tensor, n_kv_head: int, new_kv_head: int) -
     D, C = weight.shape[0] // n_kv_head, weight.shape[1]
     group = n_kv_head // new_kv_head
     return weight.reshape(new_kv_head, group, D, C).mean(dim=1).reshape(new_kv_head * D, C)
-
-
-def _with_kv_heads(model, n_kv_head: int, transform):
-    from kernels.model.gpt import GPT, GPTConfig
-
-    cfg = model.config
-    new_cfg = GPTConfig(**{**cfg.__dict__, "n_kv_head": n_kv_head})
-    new = GPT(new_cfg)
-    state = copy.deepcopy(model.state_dict())
-    for name in list(state):
-        if name.endswith("attn.wk.weight") or name.endswith("attn.wv.weight"):
-            state[name] = transform(state[name])
-    new.load_state_dict(state)
-    return new.eval()
-
-
-def pool_gpt_kv_heads(model, n_kv_head: int):
-    """A copy of a tiny GPT with its K/V heads mean-pooled down to ``n_kv_head`` (no retraining)."""
-    old = model.config.n_kv_head
-    return _with_kv_heads(model, n_kv_head, lambda w: mean_pool_kv_heads(w, old, n_kv_head))
-
-
-def repeat_gpt_kv_heads(model, n_kv_head: int):
-    """A copy with each K/V head repeated so there are ``n_kv_head`` (e.g. GQA -> MHA); the function is unchanged."""
-    old = model.config.n_kv_head
-    if n_kv_head % old or n_kv_head > model.config.n_head:
-        raise ValueError(f"repeat_gpt_kv_heads: n_kv_head={n_kv_head} must be a multiple of {old} and <= n_head")
-    rep = n_kv_head // old
-
-    def transform(w):
-        D = w.shape[0] // old
-        return w.reshape(old, 1, D, w.shape[1]).expand(old, rep, D, w.shape[1]).reshape(n_kv_head * D, w.shape[1])
-
-    return _with_kv_heads(model, n_kv_head, transform)

@@ -4,8 +4,8 @@ One model, two paths, chosen per call with ``use_kernels``:
 
 * ``use_kernels=False`` (pure PyTorch): every operation written out in ``torch``; this is the path
   the model is trained on (``python -m kernels.model.train``) and the reference for the other one;
-* ``use_kernels=True``: the same parameters, with RMSNorm (``kernels.norms.rms_norm``), the fused
-  residual-add + RMSNorm (``kernels.norms.add_rms_norm``), the attention softmax
+* ``use_kernels=True``: the same parameters, with RMSNorm (``kernels.norm.rms_norm``), the fused
+  residual-add + RMSNorm (``kernels.norm.add_rms_norm``), the attention softmax
   (``kernels.softmax.softmax``), the SwiGLU gate (``kernels.mlp.swiglu``) and single-token decode
   attention over the KV cache (``kernels.attention.decode_attention``) done by the course's Triton
   kernels. Matrix multiplications stay in PyTorch on both paths.
@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
         if use_kernels:
-            from kernels.norms import rms_norm
+            from kernels.norm import rms_norm
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_torch(x, self.weight, self.eps)
 
@@ -227,7 +227,7 @@ class MLP(nn.Module):
     def forward(self, u: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
         gate, up = self.w_gate(u), self.w_up(u)
         if use_kernels:
-            from kernels.mlp import swiglu
+            from kernels.mlp.gated import swiglu
             shape = gate.shape
             hidden = swiglu(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])).view(shape)
         else:
@@ -254,7 +254,7 @@ class Block(nn.Module):
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         a = self.attn(self.norm1(x, use_kernels), positions, use_kernels=use_kernels, cache=cache, layer=layer)
         if use_kernels:
-            from kernels.norms import add_rms_norm
+            from kernels.norm import add_rms_norm
             shape = x.shape
             h, hn = add_rms_norm(x.reshape(-1, shape[-1]), a.reshape(-1, shape[-1]), self.norm2.weight,
                                  self.config.norm_eps)
@@ -289,7 +289,7 @@ class GPT(nn.Module):
         """Logits (B, T, V) for token ids idx (B, T); with ``cache`` the tokens continue the cached ones.
 
         ``return_hidden=True`` returns the final normed hidden states (B, T, C) instead of logits,
-        for a loss that fuses the LM head (kernels.loss.fused_linear_cross_entropy).
+        for a loss that fuses the LM head (kernels.model.lm_head.fused_linear_cross_entropy).
         """
         if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
             raise ValueError(f"GPT: idx must be a (B, T) integer tensor, got {tuple(idx.shape)} {idx.dtype}")

@@ -16,7 +16,7 @@ interpreter, and the allocator's own overhead. It is coarse (pages, not bytes) a
 about a GPU's caching allocator; it is honest about the one thing asked: how much more memory the
 unfused loss needs than the chunked one.
 
-Run one case by hand: ``python -m kernels.loss_memory fused N C V CHUNK``.
+Run one case by hand: ``python -m kernels.model.lm_head_memory fused N C V CHUNK``.
 Linux only (it reads ``/proc/self/status``).
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def tensor_peak_bytes(N: int, C: int, V: int, chunk: int = 32) -> dict[str, dict
     import torch
 
     from kernels import runtime
-    from kernels.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+    from kernels.model.lm_head import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 
     dev = runtime.device()
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def _run_case(kind: str, N: int, C: int, V: int, chunk: int) -> dict:
     import kernels  # noqa: F401  (before triton)
     import torch
 
-    from kernels.loss import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+    from kernels.model.lm_head import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -242,7 +242,7 @@ def peak_extra_bytes(N: int, C: int, V: int, chunk: int = 32, kinds=("unfused", 
     if fork:
         return {kind: _forked_case(kind, N, C, V, chunk) for kind in kinds}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {kind: subprocess.Popen([sys.executable, "-m", "kernels.loss_memory", kind, str(N), str(C), str(V),
+    procs = {kind: subprocess.Popen([sys.executable, "-m", "kernels.model.lm_head_memory", kind, str(N), str(C), str(V),
                                      str(chunk)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for kind in kinds}
     results = {}

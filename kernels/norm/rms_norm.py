@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
+from kernels.norm.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
 from kernels.rows import as_rows, num_warps
 
 
@@ -145,7 +145,7 @@ def backward_rows(x2, weight, rstd, g2, need_dw: bool, dres2=None):
     """The RMSNorm backward on (rows, n) views: ``(dx2, dw)``, with ``dw`` None unless ``need_dw``.
 
     ``dres2`` is a gradient that x receives directly, besides through the norm (the residual
-    stream's, in :mod:`kernels.norms.add_rms_norm`); the kernel adds it into dx.
+    stream's, in :mod:`kernels.norm.add_rms_norm`); the kernel adds it into dx.
     """
     n_rows, n = x2.shape
     block_r, block_n = block_sizes(n_rows, n)

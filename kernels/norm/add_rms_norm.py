@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import block_sizes, check_norm_inputs
-from kernels.norms.rms_norm import backward_rows
+from kernels.norm.common import block_sizes, check_norm_inputs
+from kernels.norm.rms_norm import backward_rows
 from kernels.rows import as_rows, num_warps
 
 

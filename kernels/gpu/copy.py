@@ -3,7 +3,7 @@
 Each program copies one BLOCK of the flattened tensor: it reads BLOCK elements and writes BLOCK
 elements and does no arithmetic, so its arithmetic intensity is 0 FLOP per byte and its run time
 on a GPU is bytes / bandwidth: 2 * n * itemsize bytes (one read, one write) over the HBM
-bandwidth of ``kernels.hardware``. :func:`bench_copy` measures that on a GPU and records it.
+bandwidth of ``kernels.gpu.hardware``. :func:`bench_copy` measures that on a GPU and records it.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.norms.common import SUPPORTED_DTYPES, wide
+from kernels.norm.common import SUPPORTED_DTYPES, wide
 
 
 def batch_norm_ref(

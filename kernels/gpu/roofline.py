@@ -1,4 +1,4 @@
-"""FLOPs and bytes of the chapter's three workloads, for the roofline (GPU numbers: kernels.hardware).
+"""FLOPs and bytes of the chapter's three workloads, for the roofline (GPU numbers: kernels.gpu.hardware).
 
 Counts are for one pass with ideal reuse (each input read once, each output written once) in a
 ``itemsize``-byte dtype; they are the minimum traffic a fused kernel needs, so intensity is an

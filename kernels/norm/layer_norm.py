@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norms.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
+from kernels.norm.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
 from kernels.rows import as_rows, num_warps
 
 

@@ -1,1 +1,0 @@
-"""Memory-bound kernels and the roofline arithmetic of the memory-hierarchy chapter."""
