@@ -26,3 +26,30 @@ def chapter_paths() -> dict[str, str]:
         for ch in part["chapters"]:
             paths[ch["id"]] = f"{part['folder']}/{ch['id']}.ipynb"
     return paths
+
+
+# The package of ``kernels`` that holds each part's mechanisms (one module per mechanism, the PyTorch
+# reference beside the kernel). A part whose chapters are not written yet may have no package yet;
+# the start chapter teaches with the gemm and ptx packages.
+KERNEL_PACKAGES = {
+    "start": None,
+    "foundations": "model",
+    "gpu": "gpu",
+    "softmax": "softmax",
+    "norm": "norm",
+    "mlp": "mlp",
+    "position": "position",
+    "attention": "attention",
+    "kv-cache": "kvcache",
+    "quantization": "quant",
+    "speculative": "speculative",
+    "serving": "serving",
+    "rl": "rl",
+    "gemm": "gemm",
+    "ptx": "ptx",
+    "distributed": "dist",
+    "moe": "moe",
+}
+# Modules at the top of ``kernels`` that serve every part: the device, the checks, compilation,
+# timing, the row-kernel layout helpers and the CUDA driver loader.
+INFRASTRUCTURE_MODULES = {"runtime", "testing", "inspect", "bench", "rows", "cuda_launch"}
