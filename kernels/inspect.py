@@ -177,6 +177,13 @@ class Build:
     def families(self, kind: str = "sass") -> Counter:
         return families(self.sass if kind == "sass" else self.ptx, kind)
 
+    @property
+    def spills(self) -> int:
+        """Local-memory stores and loads in the SASS (STL, LDL): registers spilled to memory that
+        each thread must write and read back. A row kernel sized for its width has none."""
+        ops = instructions(self.sass, "sass")
+        return sum(n for op, n in ops.items() if op.split(".")[0] in ("STL", "LDL"))
+
 
 def compile_triton(
     kernel,
@@ -219,31 +226,72 @@ def compile_triton_archs(
     switched ``TRITON_INTERPRET`` on holds interpreter versions of ``triton.language``'s helpers
     and cannot generate GPU code.
     """
+    job = TritonJob(kernel, signature, constexprs=constexprs or {}, num_warps=num_warps,
+                    num_stages=num_stages, aligned=aligned)
+    return compile_triton_many([job], archs=archs)[0]
+
+
+@dataclass
+class TritonJob:
+    """One kernel to compile ahead of time, with its launch choices (see :func:`compile_triton`)."""
+
+    kernel: object
+    signature: dict[str, str]
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3
+    aligned: list[str] | None = None
+
+    def spec(self) -> dict:
+        fn = getattr(self.kernel, "fn", self.kernel)
+        module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
+        if not module or not name or module == "__main__":
+            raise ValueError("compile_triton needs a @triton.jit kernel defined at module level in an importable module")
+        return {"module": module, "name": name, "signature": self.signature, "constexprs": self.constexprs,
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "aligned": self.aligned}
+
+
+def compile_triton_many(jobs: list[TritonJob], *, archs=("sm90",)) -> list[dict[str, Build]]:
+    """Compile every job for every architecture in one fresh process (one interpreter start, not
+    one per kernel): ``[{"sm90": Build, ...} for each job]``. A spill table over many kernels and
+    widths costs seconds this way."""
     targets = [parse_arch(a) for a in archs]
-    fn = getattr(kernel, "fn", kernel)
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
-    if not module or not name or module == "__main__":
-        raise ValueError("compile_triton needs a @triton.jit kernel defined at module level in an importable module")
-    spec = {
-        "module": module, "name": name, "signature": signature, "constexprs": constexprs or {},
-        "archs": [t.capability for t in targets], "num_warps": num_warps, "num_stages": num_stages,
-        "aligned": aligned,
-    }
+    specs = [dict(job.spec(), archs=[t.capability for t in targets]) for job in jobs]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["KERNELS_COMPILE_ONLY"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.inspect"], input=json.dumps(spec), capture_output=True, text=True, env=env,
+        [sys.executable, "-m", "kernels.inspect"], input=json.dumps(specs), capture_output=True, text=True, env=env,
         cwd=str(Path(__file__).resolve().parent.parent),
     )
     if proc.returncode != 0:
         raise CompileError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-    builds = {}
-    for target, out in zip(targets, json.loads(proc.stdout)):
-        sass, usage = disassemble(base64.b64decode(out["cubin"]))
-        regs = usage.get(out["metadata"]["name"], {})
-        meta = dict(out["metadata"], registers=regs.get("REG"), local_bytes=regs.get("LOCAL"))
-        builds[target.name] = Build(target, out["ptx"], sass, out["ttgir"], meta)
-    return builds
+    results = []
+    for outs in json.loads(proc.stdout):
+        builds = {}
+        for target, out in zip(targets, outs):
+            sass, usage = disassemble(base64.b64decode(out["cubin"]))
+            regs = usage.get(out["metadata"]["name"], {})
+            meta = dict(out["metadata"], registers=regs.get("REG"), local_bytes=regs.get("LOCAL"),
+                        stack_bytes=regs.get("STACK"))  # spilled registers live in the stack frame
+            builds[target.name] = Build(target, out["ptx"], sass, out["ttgir"], meta)
+        results.append(builds)
+    return results
+
+
+def resource_table(entries: list[tuple[str, Build]]) -> str:
+    """A text table of what each compiled case costs per thread: ``entries`` are (label, Build).
+
+    Registers and the stack frame come from ``cuobjdump --dump-resource-usage`` (spilled registers
+    live in the stack frame, not in LOCAL); STL/LDL count the spill stores and loads in the SASS.
+    Every column is a compile-time fact, the same on every machine that runs the same compiler."""
+    rows = [("case", "arch", "warps", "registers", "stack bytes", "STL+LDL")]
+    for label, b in entries:
+        m = b.metadata
+        rows.append((label, b.arch.nvcc_arch, str(m["num_warps"]), str(m["registers"]), str(m["stack_bytes"]),
+                     str(b.spills)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
 
 
 def _compile_in_this_process(spec: dict) -> list[dict]:
@@ -383,7 +431,7 @@ if __name__ == "__main__":  # the compile subprocess of compile_triton_archs
     import kernels  # noqa: F401  (configures the runtime: compile-only, interpreter off)
 
     try:
-        print(json.dumps(_compile_in_this_process(json.loads(sys.stdin.read()))))
+        print(json.dumps([_compile_in_this_process(spec) for spec in json.loads(sys.stdin.read())]))
     except Exception as err:
         print(f"{type(err).__name__}: {err}", file=sys.stderr)
         sys.exit(1)
