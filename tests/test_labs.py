@@ -1,8 +1,6 @@
 """Labs: with their solutions swapped in they run cleanly under nbval, and every check cell
 rejects the known-wrong implementations kept beside the solutions."""
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
@@ -10,7 +8,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from tools import labs
+from tools import labs, notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = labs.lab_notebooks()
@@ -22,15 +20,10 @@ def rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-def run_under_nbval(nb, folder: Path) -> subprocess.CompletedProcess:
+def run_under_nbval(nb, folder: Path, *, second_config: bool = False) -> subprocess.CompletedProcess:
     path = folder / "solved.ipynb"
     nbformat.write(labs.for_nbval(nb), path)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-p", "no:xdist",
-         "--nbval", "--nbval-current-env", str(path)],
-        capture_output=True, text=True, cwd=ROOT, env=env,
-    )
+    return notebooks.run_nbval(path, second_config=second_config)
 
 
 def failing_cell(nb, folder: Path):
@@ -64,10 +57,12 @@ def test_lab_is_a_set_of_stubs_with_checks_and_solutions(lab):
         assert kinds == {"solution", "wrong"}, f"task {task} needs a solution and at least one wrong block"
 
 
+@pytest.mark.parametrize("second_config", [False, True], ids=["reference CPU", "second CPU configuration"])
 @pytest.mark.parametrize("lab", LABS, ids=rel)
-def test_solved_lab_runs_under_nbval(lab, tmp_path):
+def test_solved_lab_runs_under_nbval(lab, second_config, tmp_path):
+    """Solved, a lab runs cleanly, and its checks pass under both CPU configurations."""
     solved = labs.solved(labs.read(lab), labs.load_blocks(labs.solutions_path(lab)))
-    proc = run_under_nbval(solved, tmp_path)
+    proc = run_under_nbval(solved, tmp_path, second_config=second_config)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 

@@ -138,3 +138,20 @@ def test_citation_rules_can_fail():
     assert "use {footcite}" in citation_problems(md("see {cite}`x`"), "a")[0]
     assert "no {footbibliography}" in citation_problems(md("see {footcite}`tillet2019triton`"), "a")[0]
     assert "no-such-key" in citation_problems(md("{footcite}`no-such-key`\n```{footbibliography}\n```"), "a")[0]
+
+
+def test_second_cpu_configuration_catches_a_machine_dependent_output(tmp_path):
+    """The second pass can fail: a stored output that depends on the CPU configuration (here the
+    thread count, as a raw error magnitude depends on the reduction order) passes on the reference
+    configuration and fails under the second one."""
+    import nbformat
+    from tools.notebooks import run_nbval
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import torch\nprint(torch.get_num_threads())", execution_count=1,
+                                          outputs=[nbformat.v4.new_output("stream", name="stdout", text="1\n")])]
+    path = tmp_path / "threads.ipynb"
+    nbformat.write(nb, path)
+    assert run_nbval(path).returncode == 0
+    assert run_nbval(path, second_config=True).returncode != 0

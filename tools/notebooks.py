@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,10 +18,31 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 600
+# A second CPU configuration under which every notebook must print the same outputs as stored:
+# ATen's scalar kernels instead of its AVX2/AVX-512 ones, MKL's reproducible code path, and two
+# threads instead of one. Each changes the order of floating-point reductions, as another CPU, BLAS
+# build or thread count would; an output that prints a raw error magnitude does not survive it.
+SECOND_CPU_CONFIG = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "2"}
+# Set in the process that runs the second pass, so that it does not start a third.
+CPU_CONFIG_VAR = "COURSE_CPU_CONFIG"
 
 
 def book_notebooks(root: Path = ROOT) -> list[Path]:
     return sorted(p for p in (root / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+def run_nbval(path: Path, *, second_config: bool = False) -> subprocess.CompletedProcess:
+    """nbval on one notebook in a fresh process, strictly against its stored outputs, on one thread
+    as ``make test`` runs it, or under :data:`SECOND_CPU_CONFIG` with ``second_config=True``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if second_config:
+        env.update(SECOND_CPU_CONFIG)
+        env[CPU_CONFIG_VAR] = "second"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
+         "--nbval", "--nbval-current-env", "--nbval-sanitize-with", str(ROOT / "nbval_sanitize.cfg"), str(path)],
+        capture_output=True, text=True, cwd=ROOT, env=env,
+    )
 
 
 def execute(path: Path, *, kernel_name: str = "python3") -> float:
