@@ -1,7 +1,10 @@
 """Run a named GPU benchmark and record it: ``python -m benchmarks.run matmul``.
 
 Each benchmark times a kernel and its PyTorch counterpart with ``kernels.bench.time_ms`` and writes
-``benchmarks/results/<name>.json`` with the provenance ``kernels.bench.record`` adds. On a machine
+``benchmarks/results/<name>.json`` with the provenance ``kernels.bench.record`` adds. Every row
+carries the minimum bytes and FLOPs of the pass, what the run achieved (GB/s, TFLOP/s) and the
+fraction of the roofline of ``kernels.gpu.hardware`` it reached, when the table describes the GPU
+it ran on (``hardware.identify``), so the first GPU run yields ratios, not just times. On a machine
 without a GPU it refuses: interpreter timings are not kernel performance.
 """
 from __future__ import annotations
@@ -13,6 +16,23 @@ import kernels  # noqa: F401  (device choice before triton is imported)
 import torch
 
 from kernels import bench, runtime
+from kernels.gpu import hardware, roofline
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _timed(impl: str, fn, *, bytes_moved: float, flops: float = 0.0, dtype: torch.dtype, **config) -> dict:
+    """One row: the median and (20%, 80%) quantiles of ``fn``'s time, and, on a GPU the hardware
+    table describes, the achieved rates and the fraction of the roofline (see roofline.achieved)."""
+    median, lo, hi = bench.time_ms(fn)
+    row = {"impl": impl, **config, "dtype": str(dtype).removeprefix("torch."), "ms": median, "ms_p20": lo,
+           "ms_p80": hi, "bytes": bytes_moved, "flops": flops,
+           "gbs": bytes_moved / (median * 1e-3) / 1e9, "tflops": flops / (median * 1e-3) / 1e12}
+    gpu = hardware.identify(torch.cuda.get_device_name())
+    if gpu is not None:
+        row.update(roofline.achieved(gpu, ms=median, bytes_moved=bytes_moved, flops=flops,
+                                     dtype=_DTYPE_NAMES[dtype]))
+    return row
 
 
 def matmul() -> list[dict]:
@@ -22,10 +42,9 @@ def matmul() -> list[dict]:
     for n in (1024, 2048, 4096, 8192):
         a = torch.randn(n, n, device="cuda", dtype=torch.float16)
         b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+        flops, nbytes = roofline.matmul_counts(n, n, n, a.element_size())
         for impl, fn in (("triton-tiled-64", lambda: triton_matmul(a, b)), ("torch.matmul", lambda: a @ b)):
-            median, lo, hi = bench.time_ms(fn)
-            rows.append({"impl": impl, "M": n, "N": n, "K": n, "dtype": "float16",
-                         "ms": median, "ms_p20": lo, "ms_p80": hi, "tflops": 2 * n**3 / (median * 1e-3) / 1e12})
+            rows.append(_timed(impl, fn, bytes_moved=nbytes, flops=flops, dtype=a.dtype, M=n, N=n, K=n))
     return rows
 
 
@@ -46,12 +65,11 @@ def flash_attention() -> list[dict]:
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-                flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)   # QK^T and PV, 2 FLOP per MAC
+                nbytes = 4 * b * h * n * d * q.element_size()                 # Q, K, V read once, O written once
                 for impl, fn in (("triton-flash-v2", lambda: triton_flash(q, k, v, causal)), ("sdpa-flash", sdpa)):
-                    median, lo, hi = bench.time_ms(fn)
-                    rows.append({"impl": impl, "B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": "float16",
-                                 "pass": "forward", "ms": median, "ms_p20": lo, "ms_p80": hi,
-                                 "tflops": flops / (median * 1e-3) / 1e12})
+                    rows.append(_timed(impl, fn, bytes_moved=nbytes, flops=flops, dtype=q.dtype,
+                                       B=b, H=h, N=n, D=d, causal=causal, **{"pass": "forward"}))
     return rows
 
 
@@ -69,12 +87,12 @@ def flash_decode() -> list[dict]:
             k, v = (torch.randn(batch, 8, length, 128, device="cuda", dtype=torch.float16) for _ in range(2))
             lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             splits = choose_num_splits(batch, 8, length, sms)
-            bytes_moved = 2 * batch * 8 * length * 128 * 2
+            nbytes = 2 * batch * 8 * length * 128 * k.element_size()     # the K and V cache, read once
+            flops = 4 * batch * 64 * length * 128                          # q.k and p.v for every query head
             for impl, fn in ((f"flash_decode-{splits}-splits", lambda: split_decode(q, k, v, lens, splits)),
                              ("decode_attention", lambda: decode_attention(q, k, v, lens))):
-                median, lo, hi = bench.time_ms(fn)
-                rows.append({"impl": impl, "B": batch, "Hq": 64, "Hkv": 8, "L": length, "D": 128, "dtype": "float16",
-                             "ms": median, "ms_p20": lo, "ms_p80": hi, "gbs": bytes_moved / (median * 1e-3) / 1e9})
+                rows.append(_timed(impl, fn, bytes_moved=nbytes, flops=flops, dtype=q.dtype,
+                                   B=batch, Hq=64, Hkv=8, L=length, D=128))
     return rows
 
 
@@ -85,14 +103,11 @@ def memory_copy() -> list[dict]:
     return bench_copy(record=False)
 
 
-def _row_bench(impls, shape, dtype, bytes_moved) -> list[dict]:
-    """Time each (name, fn) of a forward pass; GB/s from the bytes the pass must move at least."""
-    rows = []
-    for impl, fn in impls:
-        median, lo, hi = bench.time_ms(fn)
-        rows.append({"impl": impl, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "pass": "forward",
-                     "ms": median, "ms_p20": lo, "ms_p80": hi, "gbs": bytes_moved / (median * 1e-3) / 1e9})
-    return rows
+def _row_bench(impls, shape, dtype, counts: tuple[float, float]) -> list[dict]:
+    """Time each (name, fn) of a forward pass against the (FLOPs, bytes) the pass must do at least."""
+    flops, nbytes = counts
+    return [_timed(impl, fn, bytes_moved=nbytes, flops=flops, dtype=dtype, shape=list(shape), **{"pass": "forward"})
+            for impl, fn in impls]
 
 
 def softmax() -> list[dict]:
@@ -104,7 +119,7 @@ def softmax() -> list[dict]:
     for n in (1024, 4096, 8192, 32000):
         x = torch.randn(16384 * 1024 // n, n, device="cuda", dtype=torch.float16)
         rows += _row_bench((("triton", lambda: triton_softmax(x)), ("torch.softmax", lambda: torch.softmax(x, -1))),
-                           x.shape, x.dtype, 2 * x.numel() * x.element_size())
+                           x.shape, x.dtype, roofline.softmax_counts(*x.shape, x.element_size()))
     return rows
 
 
@@ -118,12 +133,12 @@ def norms() -> list[dict]:
     for d in (2048, 4096, 8192):
         x = torch.randn(16384, d, device="cuda", dtype=torch.bfloat16)
         w, b = torch.randn(d, device="cuda", dtype=torch.bfloat16), torch.randn(d, device="cuda", dtype=torch.bfloat16)
-        traffic = 2 * x.numel() * x.element_size()
+        counts = roofline.rmsnorm_counts(*x.shape, x.element_size())   # LayerNorm: the same bytes, a few more FLOPs
         rows += _row_bench((("triton rms_norm", lambda: rms_norm(x, w, 1e-6)),
                             ("F.rms_norm", lambda: F.rms_norm(x, (d,), w, 1e-6)),
                             ("triton layer_norm", lambda: layer_norm(x, w, b, 1e-5)),
                             ("F.layer_norm", lambda: F.layer_norm(x, (d,), w, b, 1e-5))),
-                           x.shape, x.dtype, traffic)
+                           x.shape, x.dtype, counts)
     return rows
 
 
@@ -137,7 +152,9 @@ def gated_mlp() -> list[dict]:
     for tokens in (2048, 8192, 32768):
         gate, up = (torch.randn(tokens, 11008, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         rows += _row_bench((("triton swiglu", lambda: swiglu(gate, up)), ("F.silu(gate) * up", lambda: F.silu(gate) * up)),
-                           gate.shape, gate.dtype, 3 * gate.numel() * gate.element_size())
+                           gate.shape, gate.dtype,
+                           # silu(g) * u: about 4 FLOP per element (exp, add, divide, multiply); gate, up, h
+                           (4.0 * gate.numel(), 3.0 * gate.numel() * gate.element_size()))
     return rows
 
 

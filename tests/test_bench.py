@@ -63,3 +63,31 @@ def test_every_benchmark_a_chapter_names_can_be_run():
         named |= set(pattern.findall(path.read_text()))
     assert named, "no chapter names a benchmark"
     assert named <= set(BENCHMARKS), f"named but not registered in benchmarks/run.py: {sorted(named - set(BENCHMARKS))}"
+
+
+def test_the_table_names_only_the_boards_it_describes():
+    from kernels.gpu import hardware
+
+    assert hardware.identify("NVIDIA H100 80GB HBM3").key == "H100"
+    assert hardware.identify("NVIDIA H200").key == "H200"
+    assert hardware.identify("NVIDIA A100-SXM4-80GB").key == "A100"
+    assert hardware.identify("NVIDIA B200").key == "B200"
+    assert hardware.identify("NVIDIA GeForce RTX 5090").key == "RTX5090"
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-40GB", "Tesla T4"):
+        assert hardware.identify(other) is None, other
+
+
+def test_roofline_fraction_of_a_measured_run():
+    """An H100 copy of 3.35 GB in 2 ms: the HBM roof says 1 ms, so half the roofline; a matmul at
+    half the fp16 peak is compute-bound at fraction 0.5; a bad time is refused."""
+    from kernels.gpu import hardware, roofline
+
+    copy = roofline.achieved("H100", ms=2.0, bytes_moved=3.35e9)
+    assert copy["bound"] == "memory" and copy["roofline_ms"] == pytest.approx(1.0)
+    assert copy["fraction_of_roofline"] == pytest.approx(0.5)
+    flops, nbytes = roofline.matmul_counts(8192, 8192, 8192)
+    ideal_ms = flops / (hardware.gpu("H100").peak("fp16") * 1e12) * 1e3
+    mm = roofline.achieved("H100", ms=2 * ideal_ms, bytes_moved=nbytes, flops=flops, dtype="fp16")
+    assert mm["bound"] == "compute" and mm["fraction_of_roofline"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="ms must be > 0"):
+        roofline.achieved("H100", ms=0.0, bytes_moved=1.0)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels import bench, runtime
+from kernels.gpu import hardware, roofline
 
 BENCH_NAME = "memory-copy"
 
@@ -66,8 +67,12 @@ def bench_copy(sizes=(2**20, 2**24, 2**27), dtype=torch.float16, *, block: int =
         ms, lo, hi = bench.time_ms(lambda: copy(x, block=block))
         ms_t, _, _ = bench.time_ms(lambda: x.clone())
         b = bytes_moved(n, x.element_size())
-        rows.append({"n": n, "dtype": str(dtype).replace("torch.", ""), "bytes": b, "ms": ms, "ms_q20": lo, "ms_q80": hi,
-                     "gbs": b / (ms * 1e-3) / 1e9, "torch_clone_gbs": b / (ms_t * 1e-3) / 1e9, "block": block})
+        row = {"n": n, "dtype": str(dtype).replace("torch.", ""), "bytes": b, "ms": ms, "ms_q20": lo, "ms_q80": hi,
+               "gbs": b / (ms * 1e-3) / 1e9, "torch_clone_gbs": b / (ms_t * 1e-3) / 1e9, "block": block}
+        gpu = hardware.identify(torch.cuda.get_device_name())
+        if gpu is not None:                       # the fraction of the HBM roof reached (a copy does no FLOPs)
+            row.update(roofline.achieved(gpu, ms=ms, bytes_moved=b))
+        rows.append(row)
     if record:
         bench.record(BENCH_NAME, rows, command=bench.command_line())
     return rows

@@ -184,6 +184,29 @@ def gpu(key: str) -> GPU:
         raise KeyError(f"unknown GPU {key!r}; known GPUs: {', '.join(GPUS)}") from None
 
 
+# How CUDA names the boards of the table (``torch.cuda.get_device_name()``). Only the exact board
+# the table describes matches: an H100 PCIe or an A100 40GB has other bandwidths and peaks, and gets
+# None rather than another board's roofline.
+_DEVICE_NAMES = (
+    ("A100", ("A100", "SXM4", "80GB")),
+    ("H100", ("H100", "HBM3")),
+    ("H200", ("H200",)),
+    ("B200", ("B200",)),
+    ("RTX5090", ("RTX 5090",)),
+)
+
+
+def identify(device_name: str) -> GPU | None:
+    """The table's entry for the GPU CUDA calls ``device_name``, or None if the table does not
+    describe that exact board (NVL and PCIe variants included: their clocks and bandwidths differ)."""
+    if "NVL" in device_name or "PCIe" in device_name:
+        return None
+    for key, tokens in _DEVICE_NAMES:
+        if all(tok in device_name for tok in tokens):
+            return GPUS[key]
+    return None
+
+
 def by_arch(arch: str) -> list[GPU]:
     """The GPUs in the table with architecture ``arch`` ("sm90" ...); error for an unknown architecture."""
     if arch not in ARCH_LIMITS:

@@ -14,6 +14,8 @@ upper bound on what a real kernel reaches.
 """
 from __future__ import annotations
 
+from kernels.gpu import hardware
+
 
 def softmax_counts(rows: int, cols: int, itemsize: int = 2) -> tuple[float, float]:
     return 5.0 * rows * cols, 2.0 * rows * cols * itemsize
@@ -31,3 +33,22 @@ def intensity(counts: tuple[float, float]) -> float:
     """FLOP per byte."""
     flops, nbytes = counts
     return flops / nbytes
+
+
+def achieved(gpu: hardware.GPU | str, *, ms: float, bytes_moved: float, flops: float = 0.0,
+             dtype: str = "fp16") -> dict:
+    """What a measured run reached against the roofline of ``gpu``: the roofline's lower bound on
+    the time, which roof binds, and the fraction of that bound reached
+    (1.0 = at the roofline). ``bytes_moved`` and ``flops`` are the minimum a fused kernel must do
+    (the counts above), so the fraction is conservative: a kernel that moves more scores lower."""
+    if ms <= 0:
+        raise ValueError(f"ms must be > 0, got {ms}")
+    g = hardware.gpu(gpu)
+    bound_ms = hardware.roofline_time_s(g, flops, bytes_moved, dtype) * 1e3
+    memory_ms = bytes_moved / g.bytes_per_s * 1e3
+    return {
+        "roofline_ms": bound_ms,
+        "bound": "memory" if memory_ms >= bound_ms else "compute",
+        "fraction_of_roofline": bound_ms / ms,
+        "roofline_gpu": g.key,
+    }
