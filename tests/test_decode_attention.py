@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import runtime
 from kernels.attention import decode_attention, decode_attention_ref
-from kernels.attention.decode import _launch
+from kernels.attention.decode import _kv_offset, _launch
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 DTYPES = runtime.runtime().check_dtypes
@@ -121,21 +123,58 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q, k, v[:, :, :8], L)
     with pytest.raises(ValueError, match="block_s"):
         decode_attention(q, k, v, L, block_s=24)
+    with pytest.raises(ValueError, match="block_s must be a power of two >= 8"):
+        decode_attention(q, k, v, L, block_s=4)
 
 
-def test_default_block_keeps_the_gpu_product_small(monkeypatch):
-    """On a GPU the (group x BLOCK_S x D) product stays at most 8192 values (no register spills);
-    the interpreter takes 64 positions per iteration."""
+def test_default_block_keeps_the_gpu_product_small():
+    """On a GPU the (group x BLOCK_S x D) product stays at most 8192 values (no register spills:
+    tests/test_flash_decode.py compiles these tiles for sm_90a); the interpreter takes 64."""
     import triton
 
     from kernels.attention import decode as dec
     assert dec.default_block_s(4, 128) == (64 if runtime.runtime().interpreted else 16)
+    for group, d in [(1, 32), (1, 128), (3, 40), (4, 128), (8, 128), (16, 64)]:
+        bs = dec.gpu_block_s(group, d)
+        assert bs >= dec.MIN_BLOCK_S and bs & (bs - 1) == 0
+        assert triton.next_power_of_2(group) * triton.next_power_of_2(d) * bs <= dec.GPU_PRODUCT_ELEMENTS
+    assert (dec.gpu_block_s(4, 128), dec.gpu_block_s(8, 128), dec.gpu_block_s(1, 32)) == (16, 8, 128)
 
-    class _GPU:
-        interpreted = False
-    monkeypatch.setattr(dec.runtime, "runtime", lambda: _GPU())
-    for group, d in [(1, 32), (1, 128), (3, 40), (4, 128), (8, 128), (16, 256)]:
-        bs = dec.default_block_s(group, d)
-        assert bs >= 16 and bs & (bs - 1) == 0
-        assert bs == 16 or triton.next_power_of_2(group) * triton.next_power_of_2(d) * bs <= dec.GPU_PRODUCT_ELEMENTS
-    assert dec.default_block_s(4, 128) == 16
+
+def test_grid_is_one_program_per_sequence_and_kv_head():
+    from kernels.attention.decode import decode_grid
+    assert decode_grid(1, 8) == (1, 8)        # Llama-3-8B at batch 1: 8 programs, whatever the cache length
+    assert decode_grid(32, 8) == (32, 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# int64 offsets, proved without allocating a cache of 2**32 elements: the interpreter computes in
+# numpy with the kernel's own integer types, so an int32 product wraps there as it would on a GPU.
+
+@triton.jit
+def _offset_probe(out_ptr, stride_b, stride_h, WIDE: tl.constexpr):
+    """out[b, hk] = element offset of K/V head hk of sequence b: the kernels' helper (WIDE) or int32."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    if WIDE:
+        off = _kv_offset(b, hk, stride_b, stride_h)
+    else:
+        off = b * stride_b + hk * stride_h                 # what the kernels computed before: int32
+    tl.store(out_ptr + b * tl.num_programs(1) + hk, off.to(tl.int64))
+
+
+def _probe(B, Hkv, S, D, wide):
+    """Offsets the kernels would use for a contiguous (B, Hkv, S, D) cache: only the strides are passed."""
+    out = torch.zeros(B, Hkv, dtype=torch.int64, device=DEVICE)
+    _offset_probe[(B, Hkv)](out, Hkv * S * D, S * D, WIDE=wide)
+    return out
+
+
+def test_batch_offsets_are_int64():
+    """Batch 32 of Llama-3-8B-like caches of 131072 positions: sequence 31 starts at 31 * 2**27 > 2**31."""
+    B, Hkv, S, D = 32, 8, 131072, 128
+    want = torch.tensor([[b * Hkv * S * D + h * S * D for h in range(Hkv)] for b in range(B)], dtype=torch.int64)
+    assert int(want.max()) > 2**31
+    assert torch.equal(_probe(B, Hkv, S, D, wide=True).cpu(), want)
+    wrapped = _probe(B, Hkv, S, D, wide=False).cpu()      # the int32 version wraps: the test can fail
+    assert not torch.equal(wrapped, want) and int(wrapped.min()) < 0

@@ -149,10 +149,56 @@ def test_unified_max_flags_scores_far_below_phi():
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(1, 8, 32768, sms=132) == 17          # 8 programs -> 136 >= 132
-    assert choose_num_splits(64, 8, 32768, sms=132) == 1          # 512 programs already fill the GPU
-    assert choose_num_splits(1, 8, 100, sms=132) == 2             # no chunk shorter than one 64-tile
-    assert choose_num_splits(1, 1, 10**6, sms=10**4) == 128       # capped
+    H100 = 132
+    assert choose_num_splits(1, 8, 32768, H100) == 64     # Llama-3-8B, batch 1: 8 programs -> 512 (3.9 waves), capped
+    assert choose_num_splits(1, 8, 8192, H100) == 32      # chunks of 256 positions at least
+    assert choose_num_splits(32, 8, 32768, H100) == 3     # 256 programs -> 768 >= 4 * 132
+    assert choose_num_splits(128, 8, 32768, H100) == 1    # the batch alone fills 4 waves
+    assert choose_num_splits(1, 8, 255, H100) == 1        # too short to split
+    assert choose_num_splits(1, 8, 0, H100) == 1          # empty cache
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 32, 64])
+@pytest.mark.parametrize("kv_heads", [1, 8])
+@pytest.mark.parametrize("cache_len", [0, 1, 255, 256, 4097, 32768, 131072])
+def test_choose_num_splits_properties(batch, kv_heads, cache_len):
+    """Every choice: at most MAX_SPLITS; no chunk below MIN_CHUNK positions; and unless one of those
+    caps binds, at least WAVES programs per SM, and one split fewer would not reach that."""
+    sms = 132
+    s = choose_num_splits(batch, kv_heads, cache_len, sms)
+    assert 1 <= s <= fd.MAX_SPLITS
+    assert s == 1 or -(-cache_len // s) >= fd.MIN_CHUNK
+    capped = s in (fd.MAX_SPLITS, max(1, cache_len // fd.MIN_CHUNK))
+    assert batch * kv_heads * s >= fd.WAVES * sms or capped
+    assert s == 1 or batch * kv_heads * (s - 1) < fd.WAVES * sms
+
+
+def test_choose_num_splits_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="sms must be an int >= 1"):
+        choose_num_splits(1, 8, 100, 0)
+    with pytest.raises(ValueError, match="cache_len must be an int >= 0"):
+        choose_num_splits(1, 8, -1, 132)
+    with pytest.raises(ValueError, match="batch"):
+        choose_num_splits(0, 8, 100, 132)
+
+
+def test_grid_programs_at_batch_1_and_32():
+    """The launchers' grids, for Llama-3-8B-like heads (8 K/V) on an H100's 132 SMs, 32k caches."""
+    from kernels.attention.decode import decode_grid
+    prod = lambda g: g[0] * g[1] * (g[2] if len(g) > 2 else 1)   # noqa: E731
+    assert prod(decode_grid(1, 8)) == 8                                               # 6% of the SMs
+    assert prod(fd.split_grid(1, 8, choose_num_splits(1, 8, 32768, 132))) == 512     # 3.9 waves
+    assert prod(fd.split_grid(32, 8, choose_num_splits(32, 8, 32768, 132))) == 768
+
+
+def test_default_splits_follow_the_device():
+    """num_splits=None asks choose_num_splits with this device's SM count (1 under the interpreter)."""
+    q, k, v, L = _case(1, 4, 1, 600, 16, torch.float32, [600], seed=9)
+    sms = fd.device_sms(q.device)
+    assert sms == (1 if DEVICE.type == "cpu" else torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    want = flash_decode_ref(q.double(), k.double(), v.double(), L).float()
+    assert_close(flash_decode(q, k, v, L), want, dtype=torch.float32, baseline=decode_attention_ref(q, k, v, L))
+    assert choose_num_splits(1, 1, 600, 1) == 2            # what ran on the CPU: two chunks of 300
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.decode import check_decode_inputs
+from kernels.attention.decode import (LOG2E, _group_attend, _kv_offset, _load_group_queries, check_block_s,
+                                      check_decode_inputs, default_block_s)
 from kernels.softmax import merge_softmax_stats
 
-LOG2E = 1.4426950408889634
 # FlashDecoding++ fallback window, in natural-log units of (score - phi): exp(score - phi) stays
 # within fp32 (exp(80) ~ 5.5e34, times up to 2**20 positions stays below 3.4e38) and a row whose
 # largest score sits 80 below phi would underflow its sum toward zero. Outside it: fall back.
@@ -123,10 +123,12 @@ def _flash_decode_split_kernel(
     Hq, D, GROUP, NUM_SPLITS, scale_log2, phi_log2, low_log2, high_log2,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr,
 ):
-    """One program per (sequence b, K/V head, split s): the group's query heads over chunk s.
+    """One program per (sequence b, K/V head, split s), grid (B, Hkv, NUM_SPLITS): the group's
+    query heads over chunk s (GQA packing: each K/V tile is loaded once for the whole group).
 
-    UNIFIED=False: online softmax (running max). UNIFIED=True (FlashDecoding++): the max is the
-    fixed phi, no rescaling; a score outside [phi + low, phi + high] sets flag[b, hk, s].
+    UNIFIED=False: online softmax (running max), the decode kernel's own loop. UNIFIED=True
+    (FlashDecoding++): the max is the fixed phi, no rescaling; a score outside
+    [phi + low, phi + high] sets flag[b, hk, s].
     Writes m_s, l_s (B*Hq, NUM_SPLITS) and the normalised o_s (B*Hq, NUM_SPLITS, D), all fp32,
     with m in natural-log units.
     """
@@ -136,56 +138,49 @@ def _flash_decode_split_kernel(
     L = tl.load(lens_ptr + b).to(tl.int32)
     chunk = tl.cdiv(L, NUM_SPLITS)                        # this sequence's chunk length
     lo = split * chunk
-    hi = tl.minimum(lo + chunk, L)
+    hi = tl.minimum(lo + chunk, L)                        # lo >= hi: an empty split (a short sequence's tail)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    s_idx = tl.arange(0, BLOCK_S)
     g_ok = g < GROUP
     d_ok = d < D
-    heads = hk * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale_log2   # (BLOCK_G, BLOCK_D)
+    q = _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2, BLOCK_G, BLOCK_D)
+    k_head = k_ptr + _kv_offset(b, hk, stride_kb, stride_kh)
+    v_head = v_ptr + _kv_offset(b, hk, stride_vb, stride_vh)
     if UNIFIED:
         m = tl.full((BLOCK_G,), phi_log2, tl.float32)     # fixed ahead: never updated
-    else:
-        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    out_of_range = tl.zeros((BLOCK_G,), tl.int32)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-    for s0 in range(lo, hi, BLOCK_S):
-        pos = s0 + s_idx
-        s_ok = pos < hi
-        kv_mask = s_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + pos[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + pos[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
-        x = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                 # scores, log2 units (BLOCK_G, BLOCK_S)
-        x = tl.where(s_ok[None, :], x, float("-inf"))
-        if UNIFIED:
+        l = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        out_of_range = tl.zeros((BLOCK_G,), tl.int32)
+        s_idx = tl.arange(0, BLOCK_S)
+        for s0 in range(lo, hi, BLOCK_S):
+            pos = s0 + s_idx
+            s_ok = pos < hi
+            kv_mask = s_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_head + pos[:, None].to(tl.int64) * stride_ks + d[None, :] * stride_kd,
+                        mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_head + pos[:, None].to(tl.int64) * stride_vs + d[None, :] * stride_vd,
+                        mask=kv_mask, other=0.0).to(tl.float32)
+            x = tl.sum(q[:, None, :] * k[None, :, :], axis=2)             # scores, log2 units (BLOCK_G, BLOCK_S)
+            x = tl.where(s_ok[None, :], x, float("-inf"))
             blk_max = tl.max(x, axis=1)
             bad = (blk_max > phi_log2 + high_log2) | (blk_max < phi_log2 + low_log2)
             out_of_range = out_of_range | bad.to(tl.int32)
             p = tl.exp2(x - phi_log2)                                    # exp(x - phi): no max, no rescale
             l = l + tl.sum(p, axis=1)
             acc = acc + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        else:
-            m_new = tl.maximum(m, tl.max(x, axis=1))                      # finite: the block has a valid key
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(x - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
+    else:
+        first = lo.to(tl.int64)                               # lo * stride_ks passes 2**31 in a (B, S, H, D) layout
+        m, l, acc = _group_attend(q, k_head + first * stride_ks, v_head + first * stride_vs, hi - lo,
+                                  stride_ks, stride_kd, stride_vs, stride_vd, D, BLOCK_G, BLOCK_S, BLOCK_D, True)
     empty = hi <= lo
-    l_safe = tl.where(l > 0, l, 1.0)
-    o = acc / l_safe[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
     m_out = tl.where(empty, float("-inf"), m * 0.6931471805599453)       # natural-log units; empty split: -inf
-    rows = b * Hq + heads
+    rows = b.to(tl.int64) * Hq + hk * GROUP + g                          # (BLOCK_G,) rows of (B*Hq)
     tl.store(mpart_ptr + rows * NUM_SPLITS + split, m_out, mask=g_ok)
     tl.store(lpart_ptr + rows * NUM_SPLITS + split, l, mask=g_ok)
     tl.store(opart_ptr + (rows[:, None] * NUM_SPLITS + split) * D + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
     if UNIFIED:
-        tl.store(flag_ptr + (b * (Hq // GROUP) + hk) * NUM_SPLITS + split, tl.max(out_of_range, axis=0))
+        tl.store(flag_ptr + (b.to(tl.int64) * (Hq // GROUP) + hk) * NUM_SPLITS + split, tl.max(out_of_range, axis=0))
 
 
 @triton.jit
@@ -196,7 +191,7 @@ def _flash_decode_combine_kernel(
     BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per (sequence, query head): o = sum_s l_s e^{m_s - m} o_s / sum_s l_s e^{m_s - m}."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)     # row * NUM_SPLITS * D grows with the batch: int64
     b = row // Hq
     h = row % Hq
     s = tl.arange(0, BLOCK_SPLITS)
@@ -220,8 +215,14 @@ def _flash_decode_combine_kernel(
 
 def _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, name) -> None:
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= 256:
-        raise ValueError(f"{name}: num_splits must be an int in [1, 256], got {num_splits!r}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"{name}: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+
+
+def split_grid(batch: int, kv_heads: int, num_splits: int) -> tuple[int, int, int]:
+    """The split kernel's grid: one program per (sequence, K/V head, split). The combine adds
+    batch * Hq small programs after it."""
+    return (batch, kv_heads, num_splits)
 
 
 def _split(q, k_cache, v_cache, cache_seqlens, num_splits, *, block_s, unified=False, phi=0.0):
@@ -232,11 +233,11 @@ def _split(q, k_cache, v_cache, cache_seqlens, num_splits, *, block_s, unified=F
     l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     flags = torch.zeros((B, Hkv, num_splits), dtype=torch.int32, device=q.device)
-    _flash_decode_split_kernel[(B, Hkv, num_splits)](
+    _flash_decode_split_kernel[split_grid(B, Hkv, num_splits)](
         q, k_cache, v_cache, cache_seqlens, m, l, o, flags,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         Hq, D, group, num_splits, LOG2E / math.sqrt(D), phi * LOG2E, UNIFIED_LOW * LOG2E, UNIFIED_HIGH * LOG2E,
-        BLOCK_G=max(triton.next_power_of_2(group), 1), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
         UNIFIED=unified,
     )
     return m, l, o, flags
@@ -260,16 +261,33 @@ def combine(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, out_dtype=torch.f
     return out
 
 
+def _resolve(q, k_cache, cache_seqlens, num_splits, block_s, name):
+    """Fill in the defaults: splits from :func:`choose_num_splits` on this device, the decode kernel's tile."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    if num_splits is None:
+        longest = int(cache_seqlens.max()) if B else 0
+        num_splits = choose_num_splits(max(B, 1), Hkv, longest, device_sms(q.device))
+    if block_s is None:
+        block_s = default_block_s(Hq // Hkv, D)
+    check_block_s(block_s, name)
+    return num_splits, block_s
+
+
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                 num_splits: int = 4, *, block_s: int = 64) -> torch.Tensor:
-    """Split-K decode attention: ``num_splits`` programs per (sequence, K/V head), then the combine.
+                 num_splits: int | None = None, *, block_s: int | None = None) -> torch.Tensor:
+    """Split-KV decode attention: ``num_splits`` programs per (sequence, K/V head), then the combine.
 
     Same inputs and result as :func:`kernels.attention.decode_attention`; GQA heads of a group share
-    each load of K and V. ``num_splits=1`` is decode attention itself plus a trivial combine.
+    each load of K and V. ``num_splits`` defaults to :func:`choose_num_splits` for this device's SM
+    count (one "SM" under the interpreter, which runs programs one after another); ``num_splits=1`` is
+    decode attention itself plus a trivial combine. ``block_s`` defaults to the decode kernel's tile.
     """
-    _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, "flash_decode")
-    if block_s < 16 or block_s & (block_s - 1):
-        raise ValueError(f"flash_decode: block_s must be a power of two >= 16, got {block_s}")
+    if num_splits is not None:
+        _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, "flash_decode")
+    else:
+        check_decode_inputs(q, k_cache, v_cache, cache_seqlens, "flash_decode")
+    num_splits, block_s = _resolve(q, k_cache, cache_seqlens, num_splits, block_s, "flash_decode")
     if q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q)
     m, l, o, _ = _split(q, k_cache, v_cache, cache_seqlens, num_splits, block_s=block_s)
@@ -277,7 +295,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def flash_decode_unified_max(q, k_cache, v_cache, cache_seqlens, num_splits: int = 4, *, phi: float = 0.0,
-                             block_s: int = 64, fallback: bool = True, return_fallbacks: bool = False):
+                             block_s: int | None = None, fallback: bool = True, return_fallbacks: bool = False):
     """FlashDecoding++'s asynchronous softmax: every split uses the fixed max ``phi`` (natural-log units
     of the scaled score q.k/sqrt(D)), so no split rescales and partials simply add.
 
@@ -289,6 +307,7 @@ def flash_decode_unified_max(q, k_cache, v_cache, cache_seqlens, num_splits: int
     _check_inputs(q, k_cache, v_cache, cache_seqlens, num_splits, "flash_decode_unified_max")
     if not math.isfinite(phi):
         raise ValueError(f"flash_decode_unified_max: phi must be finite, got {phi}")
+    num_splits, block_s = _resolve(q, k_cache, cache_seqlens, num_splits, block_s, "flash_decode_unified_max")
     B = q.shape[0]
     if B * q.shape[1] == 0:
         out, fell = torch.zeros_like(q), torch.zeros(B, dtype=torch.bool, device=q.device)
@@ -303,17 +322,50 @@ def flash_decode_unified_max(q, k_cache, v_cache, cache_seqlens, num_splits: int
     return (out, fell) if return_fallbacks else out
 
 
-def choose_num_splits(batch: int, kv_heads: int, cache_len: int, sms: int, *, block_s: int = 64,
-                      max_splits: int = 128) -> int:
-    """How many splits fill a GPU with ``sms`` SMs: the fewest that give at least one program per SM,
-    without splitting the cache into chunks shorter than one ``block_s`` tile.
+# ----------------------------------------------------------------------------------------------
+# How many splits
 
-    Without splits the step has batch * kv_heads programs; with s splits, s times as many.
+# The choice below, and why (a design, not a measurement; no GPU timing was run here):
+# * WAVES: a decode program is 4 warps streaming K/V; an SM holds several such programs at once
+#   (sm90: 64 resident warps), and a memory-bound stream needs many loads in flight per SM. Aim for
+#   at least 4 programs per SM, i.e. B * Hkv * s >= 4 * SMs.
+# * MIN_CHUNK: each split writes, and the combine reads back, group * (D + 2) fp32 values per K/V
+#   head, about 8 * group * D bytes, against the 4 * chunk * D bytes of fp16 K and V it reads: a
+#   fraction 2 * group / chunk. A chunk of at least 256 positions keeps that below 1/16 for groups
+#   up to 8 (vLLM's paged attention v2 uses 512-token partitions).
+# * MAX_SPLITS: the combine holds a (next_pow2(s), next_pow2(D)) fp32 tile per program; 64 splits at
+#   D = 128 compile without spills (tests/test_flash_decode.py).
+# For comparison, FlashAttention-2's heuristic (Dao-AILab/flash-attention@765fbd92, csrc/flash_attn/
+# flash_api.cpp, num_splits_heuristic) counts batch * query heads * query blocks, uses 1 split once
+# that reaches 0.8 * SMs, caps at min(64, SMs, key blocks of 128 at D = 128) and takes the fewest
+# splits whose last-wave efficiency is within 85% of the best.
+WAVES = 4
+MIN_CHUNK = 256
+MAX_SPLITS = 64
+
+
+def choose_num_splits(batch: int, kv_heads: int, cache_len: int, sms: int, *, waves: int = WAVES,
+                      min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS) -> int:
+    """The number of splits s for a decode step: the fewest with batch * kv_heads * s >= waves * sms
+    programs, but no chunk shorter than ``min_chunk`` positions and at most ``max_splits``.
+
+    A pure function of its arguments (the launcher passes the device's SM count); 1 when the batch
+    alone fills the GPU or the cache is too short to split.
     """
-    for arg, val in (("batch", batch), ("kv_heads", kv_heads), ("sms", sms), ("block_s", block_s)):
-        if val < 1:
-            raise ValueError(f"choose_num_splits: {arg} must be >= 1, got {val}")
+    for arg, val in (("batch", batch), ("kv_heads", kv_heads), ("sms", sms), ("waves", waves),
+                     ("min_chunk", min_chunk), ("max_splits", max_splits)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"choose_num_splits: {arg} must be an int >= 1, got {val!r}")
+    if not isinstance(cache_len, int) or cache_len < 0:
+        raise ValueError(f"choose_num_splits: cache_len must be an int >= 0, got {cache_len!r}")
     programs = batch * kv_heads
-    want = -(-sms // programs)                                # ceil(sms / programs)
-    most = max(1, -(-cache_len // block_s))                   # no chunk shorter than one tile
-    return max(1, min(want, most, max_splits))
+    want = -(-waves * sms // programs)                 # ceil(waves * sms / programs)
+    longest = cache_len // min_chunk                   # s <= L / min_chunk: every chunk >= min_chunk
+    return max(1, min(want, longest, max_splits))
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 for the CPU, where the interpreter runs one program at a time."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
