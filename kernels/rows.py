@@ -1,8 +1,106 @@
-"""Layout helpers shared by the row kernels (softmax, the norms): each program takes whole rows of
-a (rows, n) view, so inputs are reshaped to that view and the warps sized by the tile."""
+"""Layout and launch helpers shared by the row kernels (softmax, the norms): each program takes whole
+rows of a (rows, n) view, so inputs are reshaped to that view, and :func:`row_launch` decides how a
+row of ``n`` features is laid over one program's threads.
+
+The launch rule. A row held in one block lives in registers: with ``W`` warps each of the
+``32 W`` threads holds ``BLOCK_N / (32 W)`` of its values per live tensor. Too few warps and a
+wide row needs more registers than a thread may have (255, and fewer as warps grow: an SM has
+65536, so 16 warps leave 128 per thread and 32 warps leave 64), and the compiler spills to local
+memory. So warps grow with the row, as in Triton's layer-norm tutorial (``BLOCK // 256`` warps,
+at most 8; triton-lang/triton@545699290b851e70231ee3017481851170f1583d,
+python/tutorials/05-layer-norm.py) and Liger-Kernel's ``calculate_settings`` (4, 8, 16 or 32
+warps from 2048, 8192 and 32768 columns up; linkedin/Liger-Kernel@45621c83d3438b9f5acf30a90175f4949fd40855,
+src/liger_kernel/ops/utils.py). Here the count comes from a per-thread budget measured by
+compiling the kernels for sm_90a (the chapters print the table): each kernel family has a number of
+values per thread that fits in registers without spills, and a widest block beyond which even 32
+warps would spill. A row wider than that block is walked in column blocks: a first pass gathers the
+row's statistic (sum of squares, mean and variance, max and sum, or the backward's dot products)
+and a second pass re-reads the row to write it, one more read of the row than the one-block form.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import triton
+
+MAX_WARPS = 32          # 1024 threads: the most one CUDA block (one Triton program) may have
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """What one kernel family can hold in registers: ``per_thread`` fp32 values of each row tile
+    per thread, and ``max_block``, the widest block (columns) that one program takes at once."""
+
+    per_thread: int
+    max_block: int
+
+
+# Measured for sm_90a (tests/test_row_kernels_aot.py checks every launch these give has no spills):
+# a forward keeps one row tile live (x, then y): 16 values a thread, 16384 columns at 32 warps use
+# 55 registers of the 64 allowed. The norm backward keeps x, g, w, dx and the weight-gradient
+# accumulator: 8 values a thread need about 100 registers, so at most 16 warps (128 each), 4096
+# columns; the same kernel at 8192 columns spills with 16 or with 32 warps.
+FORWARD = RowBudget(per_thread=16, max_block=16384)
+BACKWARD = RowBudget(per_thread=8, max_block=4096)
+# Several short rows share one program up to this many elements per tile.
+TILE_ELEMENTS = 4096
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """How a (rows, n) problem is launched: ``block_r`` rows of ``block_n`` columns per tile with
+    ``num_warps`` warps; ``col_blocks`` column blocks per row (1: the row stays in registers)."""
+
+    block_r: int
+    block_n: int
+    num_warps: int
+    col_blocks: int
+
+    @property
+    def one_block(self) -> bool:
+        return self.col_blocks == 1
+
+
+def row_launch(n: int, dtype: torch.dtype, budget: RowBudget = FORWARD, *, n_rows: int | None = None,
+               block_size: int | None = None) -> RowLaunch:
+    """The launch for rows of ``n`` features of ``dtype`` under ``budget``; the launchers and the
+    AOT spill test both call this, so the test compiles what runs.
+
+    ``block_size`` (a power of two) overrides the budget's widest block; the tests use it to walk
+    rows of a few hundred features in several blocks on the interpreter. ``dtype`` enters through
+    the arithmetic, which is fp32 for every input dtype, so the budget counts fp32 values and is
+    the same for fp16, bf16 and fp32 inputs (the AOT test checks all three).
+    """
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"row_launch: dtype must be float16, bfloat16 or float32, got {dtype}")
+    if n < 1:
+        raise ValueError(f"row_launch: n must be at least 1, got {n}")
+    check_block_size("row_launch", block_size)
+    max_block = budget.max_block if block_size is None else block_size
+    block_n = min(triton.next_power_of_2(n), max_block)
+    col_blocks = triton.cdiv(n, block_n)
+    block_r = 1
+    if col_blocks == 1:  # short rows: pack several into one tile
+        block_r = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(max(n_rows or 1, 1))))
+    return RowLaunch(block_r, block_n, warps_for(block_r * block_n, budget), col_blocks)
+
+
+def check_block_size(fn: str, block_size, minimum: int = 1) -> None:
+    """A forced block must be a power of two of at least ``minimum`` (or None: the rule decides)."""
+    if block_size is not None and (not isinstance(block_size, int) or block_size < minimum
+                                   or block_size & (block_size - 1)):
+        raise ValueError(f"{fn}: block_size must be a power of two >= {minimum} or None, got {block_size!r}")
+
+
+def warps_for(tile_elements: int, budget: RowBudget = FORWARD) -> int:
+    """Warps for a tile: ``budget.per_thread`` values per thread, 1 to 32 warps (a power of two)."""
+    return min(max(tile_elements // (32 * budget.per_thread), 1), MAX_WARPS)
+
+
+def triton_type(dtype: torch.dtype) -> str:
+    """The element type name a Triton signature uses for ``dtype`` (for AOT compiles)."""
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -14,9 +112,3 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if rows.stride(1) != 1 and n > 1:
         rows = rows.contiguous()
     return rows
-
-
-def num_warps(tile_elements: int) -> int:
-    """Warps per program on a GPU: about 256 tile elements per warp (8 per thread), 1 to 8 warps.
-    Fewer would hold too many values per thread in registers; the interpreter ignores it."""
-    return min(max(tile_elements // 256, 1), 8)

@@ -1,12 +1,18 @@
 """kernels.norm.add_rms_norm: fused residual add + RMSNorm, forward and backward."""
+import importlib
+
 import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels import runtime
 from kernels.norm import add_rms_norm, add_rms_norm_ref
 from kernels.norm.add_rms_norm import _AddRMSNorm
+
+arn_mod = importlib.import_module("kernels.norm.add_rms_norm")   # the module, not the re-exported function
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 DTYPES = runtime.runtime().check_dtypes
@@ -38,11 +44,11 @@ def _case(shape, dtype):
     return (_t(shape, dtype, 0, 2.0), _t(shape, dtype, 1), _t((n,), dtype, 2), _t(shape, dtype, 3), _t(shape, dtype, 4))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_backward_match_reference(shape, dtype):
-    x, r, w, gh, gy = _case(shape, dtype)
-    got = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS), x, r, w, gh, gy)
+def _check(x, r, w, gh, gy, block_size=None, x_in=None, r_in=None):
+    """Kernel (h, y and every gradient) against the float64 reference within PyTorch's own error."""
+    dtype = x.dtype
+    x_in, r_in = (x if x_in is None else x_in), (r if r_in is None else r_in)
+    got = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS, block_size=block_size), x_in, r_in, w, gh, gy)
     # reference: the two operations in float64 from the same (rounded) h
     h_dt = x + r
     ref = _grads(lambda a, b, c: add_rms_norm_ref(a, b, c, EPS), x.double(), r.double(), w.double(),
@@ -54,6 +60,23 @@ def test_forward_backward_match_reference(shape, dtype):
         if label == "h":
             continue
         assert_close(a, e, dtype=dtype, baseline=b, name=f"add_rms_norm {label}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_backward_match_reference(shape, dtype):
+    _check(*_case(shape, dtype))
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 300), torch.float32), ((2, 3, 257), torch.float16)], ids=str)
+def test_rows_in_column_blocks(shape, dtype):
+    """A forced block of 128 walks each row in blocks, the last one masked (forward and backward)."""
+    _check(*_case(shape, dtype), block_size=128)
+
+
+def test_column_blocks_inside_nan_canaries():
+    x, r, w, gh, gy = _case((6, 300), torch.float32)
+    _check(x, r, w, gh, gy, block_size=64, x_in=nan_canary(x, rows=True), r_in=nan_canary(r, rows=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -86,7 +109,7 @@ def test_gradcheck_float64_reference_agrees_with_fp32_kernel():
 def test_broken_variant_without_residual_gradient_is_caught():
     """Dropping the residual path's dh from the backward (a classic bug) must fail the check."""
     x, r, w, gh, gy = _case((37, 130), torch.float32)
-    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, False), x, r, w, gh, gy)
+    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, None, False), x, r, w, gh, gy)
     ref = _grads(_unfused_torch, x.double(), r.double(), w.double(), gh.double(), gy.double())
     assert_close(broken[1], ref[1].float())            # the forward is still right
     with pytest.raises(MismatchError):
@@ -105,3 +128,33 @@ def test_bad_inputs_raise_clear_errors():
         add_rms_norm(x.long(), x.long(), None)
     with pytest.raises(ValueError, match="eps"):
         add_rms_norm(x, x, None, -1.0)
+
+
+@triton.jit
+def _tiled_normalizes_x_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, n, stride_x, stride_r, stride_h, stride_y,
+                               eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ss = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < n, other=0.0)
+        r = tl.load(r_ptr + row * stride_r + c, mask=c < n, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + c, h, mask=c < n)
+        ss += h.to(tl.float32) * h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / n + eps)
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        y = tl.load(x_ptr + row * stride_x + c, mask=c < n, other=0.0).to(tl.float32) * rstd   # BROKEN: x, not h
+        y = y * tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c < n)
+    tl.store(rstd_ptr + row, rstd)
+
+
+def test_broken_tiled_forward_that_normalizes_x_is_caught(monkeypatch):
+    case = _case((4, 300), torch.float32)
+    _check(*case, block_size=128)
+    monkeypatch.setattr(arn_mod, "_add_rms_norm_fwd_tiled_kernel", _tiled_normalizes_x_kernel)
+    with pytest.raises(MismatchError, match="add_rms_norm y"):
+        _check(*case, block_size=128)

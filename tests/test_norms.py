@@ -12,7 +12,6 @@ from kernels import runtime
 from kernels.norm import (
     batch_norm, batch_norm_ref, layer_norm, layer_norm_backward_ref, layer_norm_ref, rms_norm, rms_norm_backward_ref, rms_norm_ref,
 )
-from kernels.norm.common import MAX_FEATURES
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 # The modules themselves: the package's names layer_norm and rms_norm are the re-exported functions.
@@ -47,12 +46,12 @@ def _ln_case(shape, dtype, weight=True, bias=True, shift=0.0):
     return x, w, b, g
 
 
-def _check_layer_norm(x, w, b, g, x_in=None, eps=1e-5, name="layer_norm"):
+def _check_layer_norm(x, w, b, g, x_in=None, eps=1e-5, name="layer_norm", block_size=None):
     """Kernel vs the reference in float64 (forward and every gradient), within a small multiple of
     PyTorch's own error in x's dtype (the baseline rule: the backward is a reduction over rows)."""
     n = x.shape[-1]
     x_in = x if x_in is None else x_in
-    got = _run(lambda a, c, d: layer_norm(a, c, d, eps), (x_in, w, b), g)
+    got = _run(lambda a, c, d: layer_norm(a, c, d, eps, block_size=block_size), (x_in, w, b), g)
     dbl = lambda t: None if t is None else t.double()  # noqa: E731
     ref = _run(lambda a, c, d: layer_norm_ref(a, c, d, eps), (dbl(x), dbl(w), dbl(b)), g.double())
     base = _run(lambda a, c, d: F.layer_norm(a, (n,), c, d, eps), (x, w, b), g)
@@ -62,10 +61,10 @@ def _check_layer_norm(x, w, b, g, x_in=None, eps=1e-5, name="layer_norm"):
         assert_close(a, r, dtype=x.dtype, baseline=bl, name=f"{name} {label}")
 
 
-def _check_rms_norm(x, w, g, x_in=None, eps=1e-6, name="rms_norm"):
+def _check_rms_norm(x, w, g, x_in=None, eps=1e-6, name="rms_norm", block_size=None):
     n = x.shape[-1]
     x_in = x if x_in is None else x_in
-    got = _run(lambda a, c: rms_norm(a, c, eps), (x_in, w), g)
+    got = _run(lambda a, c: rms_norm(a, c, eps, block_size=block_size), (x_in, w), g)
     ref_eps = torch.finfo(x.dtype).eps if eps is None else eps
     dbl = lambda t: None if t is None else t.double()  # noqa: E731
     ref = _run(lambda a, c: rms_norm_ref(a, c, ref_eps), (dbl(x), dbl(w)), g.double())
@@ -178,6 +177,47 @@ def test_hand_derived_backwards_equal_autograd(weight):
         assert_close(h, a, name=f"rms norm {label}")
 
 
+# ---------------------------------------------------------------------------------------------- rows in several blocks
+
+# A forced block of 128 columns walks rows of 300 features in three blocks (the last one masked):
+# the two-pass forwards and the tiled backward (dot products, then dx and the weight partials).
+TILED = [((5, 300), torch.float32), ((2, 3, 257), torch.float16), ((7, 128), torch.float32)]
+
+
+@pytest.mark.parametrize("shape,dtype", TILED, ids=str)
+def test_layer_norm_in_column_blocks(shape, dtype):
+    _check_layer_norm(*_ln_case(shape, dtype), block_size=128, name="blocks of 128")
+
+
+@pytest.mark.parametrize("shape,dtype", TILED, ids=str)
+def test_rms_norm_in_column_blocks(shape, dtype):
+    x, w, _, g = _ln_case(shape, dtype)
+    _check_rms_norm(x, w, g, block_size=128, name="blocks of 128")
+
+
+def test_column_blocks_nan_canaries_offset_and_no_affine():
+    x, w, b, g = _ln_case((6, 300), torch.float32)
+    kw = {"block_size": 64, "name": "canary, blocks of 64"}
+    _check_layer_norm(x, w, b, nan_canary(g, rows=True), x_in=nan_canary(x, rows=True), **kw)
+    _check_rms_norm(x, w, nan_canary(g, rows=True), x_in=nan_canary(x, rows=True), **kw)
+    _check_layer_norm(x, None, None, g, block_size=64, name="no affine, blocks of 64")
+    _check_rms_norm(x, None, g, block_size=64, name="no weight, blocks of 64")
+    # mean 1e4, std 1: the blockwise merge of (count, mean, M2) keeps the variance exact
+    _check_layer_norm(*_ln_case((16, 500), torch.float32, shift=1e4), block_size=128, name="offset 1e4, blocks")
+
+
+def test_real_wide_rows_take_the_tiled_path():
+    """Widths past the launch rule's one-block limits, at its own block sizes: 20000 features go in
+    two forward blocks of 16384 and five backward blocks of 4096."""
+    from kernels.rows import BACKWARD, FORWARD, row_launch
+
+    assert not row_launch(20000, torch.float16, FORWARD).one_block
+    assert row_launch(20000, torch.float16, BACKWARD).col_blocks == 5
+    x, w, b, g = _ln_case((3, 20000), torch.float16)
+    _check_layer_norm(x, w, b, g, name="n=20000")
+    _check_rms_norm(x, w, g, name="n=20000")
+
+
 # ---------------------------------------------------------------------------------------------- BatchNorm
 
 @pytest.mark.parametrize("shape", [(8, 3), (4, 3, 5), (2, 3, 4, 5)], ids=str)
@@ -284,8 +324,8 @@ def test_bad_input_refused(fn):
         f(torch.tensor(1.0, device=DEVICE))
     with pytest.raises(ValueError, match="no features"):
         f(torch.ones(3, 0, device=DEVICE))
-    with pytest.raises(ValueError, match="one-block limit"):
-        f(torch.ones(1, MAX_FEATURES + 1, device=DEVICE))
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        f(x, block_size=100)
     with pytest.raises(TypeError, match="torch.Tensor"):
         f([[1.0, 2.0]])
     with pytest.raises(ValueError, match="eps"):
@@ -454,6 +494,32 @@ def test_broken_rms_norm_without_mask_is_caught_by_canary(monkeypatch):
     monkeypatch.setattr(rms_mod, "_rms_norm_fwd_kernel", _rms_no_col_mask_kernel)
     with pytest.raises(MismatchError):
         _check_rms_norm(x, w, g, x_in=nan_canary(x, rows=True))
+
+
+@triton.jit
+def _rms_tiled_drops_tail_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps,
+                                 HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ss = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, n - BLOCK_N + 1, BLOCK_N):     # BROKEN: the partial last block is not summed
+        x = tl.load(x_ptr + row * stride_x + start + cols).to(tl.float32)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / n + eps)
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        y = tl.load(x_ptr + row * stride_x + c, mask=c < n, other=0.0).to(tl.float32) * rstd
+        y = y * tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c < n)
+    tl.store(rstd_ptr + row, rstd)
+
+
+def test_broken_tiled_rms_norm_that_drops_the_tail_block_is_caught(monkeypatch):
+    x, w, _, g = _ln_case((4, 300), torch.float32)
+    _check_rms_norm(x, w, g, block_size=128)
+    monkeypatch.setattr(rms_mod, "_rms_norm_fwd_tiled_kernel", _rms_tiled_drops_tail_kernel)
+    with pytest.raises(MismatchError, match="rms_norm y"):
+        _check_rms_norm(x, w, g, block_size=128)
 
 
 def test_broken_rms_norm_backward_is_caught(monkeypatch):

@@ -31,11 +31,14 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
+from kernels.rows import RowBudget, check_block_size, triton_type, warps_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_C = 0.044715
+# 8 elements a thread: 1024-element blocks take 4 warps.
+GLU_BUDGET = RowBudget(per_thread=8, max_block=1024)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,9 +161,33 @@ def _glu_bwd_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr, n, ACTIVATION:
 # Launchers
 
 
-def _default_block() -> int:
-    # GPU: 1024 elements per program (4 warps, 8 per thread). Interpreter: bigger blocks, fewer programs.
-    return 1024 if runtime.runtime().on_gpu else 8192
+def launch(block_size: int | None = None, *, on_gpu: bool | None = None) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` of the GLU kernels. They are elementwise over the flattened
+    (tokens x hidden) tensors, so the launch does not depend on the width: on a GPU 1024 elements
+    per program with 4 warps, 8 elements a thread (one 16-byte load of fp16 per tensor), which
+    compiles without spills for every activation (tests/test_row_kernels_aot.py); on the
+    interpreter 8192, fewer and larger programs. ``block_size`` overrides the block."""
+    gpu = runtime.runtime().on_gpu if on_gpu is None else on_gpu
+    block = block_size or (1024 if gpu else 8192)
+    return block, warps_for(block, GLU_BUDGET)
+
+
+def aot_jobs(dtype: torch.dtype) -> list:
+    """``(label, TritonJob)`` for the forward and backward of each activation with the GPU launch."""
+    from kernels.inspect import TritonJob
+
+    t = triton_type(dtype)
+    block, warps = launch(on_gpu=True)
+    jobs = []
+    for act in ACTIVATIONS:
+        jobs.append((f"glu fwd {act}", TritonJob(
+            _glu_fwd_kernel, {"gate_ptr": f"*{t}", "up_ptr": f"*{t}", "h_ptr": f"*{t}", "n": "i32"},
+            constexprs={"ACTIVATION": act, "BLOCK": block}, num_warps=warps)))
+        jobs.append((f"glu bwd {act}", TritonJob(
+            _glu_bwd_kernel, {"gate_ptr": f"*{t}", "up_ptr": f"*{t}", "dh_ptr": f"*{t}", "dgate_ptr": f"*{t}",
+                              "dup_ptr": f"*{t}", "n": "i32"},
+            constexprs={"ACTIVATION": act, "BLOCK": block}, num_warps=warps)))
+    return jobs
 
 
 def _check(fn: str, gate, up) -> None:
@@ -181,14 +208,15 @@ def _check(fn: str, gate, up) -> None:
 
 class _GLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, activation, block):
+    def forward(ctx, gate, up, activation, block_size):
         g, u = gate.contiguous(), up.contiguous()      # a view with other strides is copied first
         h = torch.empty_like(g, memory_format=torch.contiguous_format)
         n = g.numel()
+        block, warps = launch(block_size)
         if n:
-            _glu_fwd_kernel[(triton.cdiv(n, block),)](g, u, h, n, ACTIVATION=activation, BLOCK=block)
+            _glu_fwd_kernel[(triton.cdiv(n, block),)](g, u, h, n, ACTIVATION=activation, BLOCK=block, num_warps=warps)
         ctx.save_for_backward(g, u)
-        ctx.activation, ctx.block = activation, block
+        ctx.activation, ctx.block_size = activation, block_size
         return h
 
     @staticmethod
@@ -197,19 +225,18 @@ class _GLU(torch.autograd.Function):
         dh = dh.to(g.dtype).contiguous()
         dgate, dup = torch.empty_like(g), torch.empty_like(u)
         n = g.numel()
+        block, warps = launch(ctx.block_size)
         if n:
-            _glu_bwd_kernel[(triton.cdiv(n, ctx.block),)](
-                g, u, dh, dgate, dup, n, ACTIVATION=ctx.activation, BLOCK=ctx.block
+            _glu_bwd_kernel[(triton.cdiv(n, block),)](
+                g, u, dh, dgate, dup, n, ACTIVATION=ctx.activation, BLOCK=block, num_warps=warps
             )
         return dgate, dup, None, None
 
 
 def _glu(fn: str, gate, up, activation: str, block_size: int | None) -> torch.Tensor:
     _check(fn, gate, up)
-    block = block_size or _default_block()
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"{fn}: block_size must be a power of two >= 16, got {block}")
-    return _GLU.apply(gate, up, activation, block)
+    check_block_size(fn, block_size, minimum=16)
+    return _GLU.apply(gate, up, activation, block_size)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, block_size: int | None = None) -> torch.Tensor:

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm.common import block_sizes, check_norm_inputs
-from kernels.norm.rms_norm import backward_rows
-from kernels.rows import as_rows, num_warps
+from kernels.norm.common import check_norm_inputs
+from kernels.norm.rms_norm import aot_jobs as rms_norm_aot_jobs, backward_rows
+from kernels.rows import FORWARD, as_rows, check_block_size, row_launch, triton_type
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
@@ -45,7 +45,9 @@ def _add_rms_norm_fwd_kernel(
     n_rows, n, stride_x, stride_r, stride_h, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)          # (BLOCK_R,)
+    """One block: BLOCK_R whole rows per program (n <= BLOCK_N); reads x and residual once,
+    writes h and y once."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)   # (BLOCK_R,), int64 offsets
     cols = tl.arange(0, BLOCK_N)                                         # (BLOCK_N,) the whole row
     row_ok = rows < n_rows
     col_ok = cols < n
@@ -63,25 +65,61 @@ def _add_rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
+@triton.jit
+def _add_rms_norm_fwd_tiled_kernel(
+    x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
+    n, stride_x, stride_r, stride_h, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """A row wider than one block: one program per row, walked in blocks of BLOCK_N twice.
+    Pass 1 writes h = x + residual and sums h^2; pass 2 reads h back and writes y = h * rstd * w
+    (5 memory passes instead of 4: h is read once more)."""
+    row = tl.program_id(0).to(tl.int64)                                  # int64: row * stride may pass 2**31
+    cols = tl.arange(0, BLOCK_N)
+    ss = tl.zeros((BLOCK_N,), tl.float32)                                # lane sums of h^2
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < n, other=0.0)
+        r = tl.load(r_ptr + row * stride_r + c, mask=c < n, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + c, h, mask=c < n)
+        ss += h.to(tl.float32) * h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / n + eps)
+    tl.debug_barrier()                                                   # this program's h stores land before pass 2 reads them
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        y = tl.load(h_ptr + row * stride_h + c, mask=c < n, other=0.0).to(tl.float32) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c < n)
+    tl.store(rstd_ptr + row, rstd)
+
+
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, residual_grad=True):
+    def forward(ctx, x, residual, weight, eps, block_size, residual_grad=True):
         n = x.shape[-1]
         x2, r2 = as_rows(x), as_rows(residual)
         n_rows = x2.shape[0]
         h2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_r, block_n = block_sizes(n_rows, n)
-        if n_rows:
-            _add_rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-                x2, r2, weight if weight is not None else x2, h2, y2, rstd,
-                n_rows, n, x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0), eps,
-                HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_N=block_n,
-                num_warps=num_warps(block_r * block_n),
+        launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
+        w = weight if weight is not None else x2
+        strides = (x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0))
+        if n_rows and launch.one_block:
+            _add_rms_norm_fwd_kernel[(triton.cdiv(n_rows, launch.block_r),)](
+                x2, r2, w, h2, y2, rstd, n_rows, n, *strides, eps,
+                HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n,
+                num_warps=launch.num_warps,
+            )
+        elif n_rows:
+            _add_rms_norm_fwd_tiled_kernel[(n_rows,)](
+                x2, r2, w, h2, y2, rstd, n, *strides, eps,
+                HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
             )
         ctx.save_for_backward(h2, weight, rstd)
-        ctx.shape = x.shape
+        ctx.shape, ctx.block_size = x.shape, block_size
         ctx.residual_grad = residual_grad
         return h2.view(x.shape), y2.view(x.shape)
 
@@ -92,19 +130,41 @@ class _AddRMSNorm(torch.autograd.Function):
         # The norm's backward on h, plus the gradient h receives directly (dh); residual_grad=False
         # leaves dh out and exists only for the tests' broken variant.
         dh2 = as_rows(dh.to(h2.dtype)) if ctx.residual_grad else None
-        dx2, dw = backward_rows(h2, weight, rstd, as_rows(dy.to(h2.dtype)), need_dw, dh2)
+        dx2, dw = backward_rows(h2, weight, rstd, as_rows(dy.to(h2.dtype)), need_dw, dh2, block_size=ctx.block_size)
         dx = dx2.view(ctx.shape)
         # x and residual get the same gradient; separate tensors, so neither can alias the other's .grad
-        return dx, dx.clone(), dw, None, None
+        return dx, dx.clone(), dw, None, None, None
+
+
+def aot_jobs(n: int, dtype: torch.dtype, n_rows: int = 4096) -> list:
+    """``(label, TritonJob)`` for the forward that runs at width ``n`` and the RMSNorm backward it
+    reuses (with the residual gradient added), with the launchers' choices, for an AOT compile."""
+    from kernels.inspect import TritonJob
+
+    t = triton_type(dtype)
+    fwd = row_launch(n, dtype, FORWARD, n_rows=n_rows)
+    sig = {"x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "h_ptr": f"*{t}", "y_ptr": f"*{t}",
+           "rstd_ptr": "*fp32", "n": "i32", "stride_x": "i32", "stride_r": "i32", "stride_h": "i32",
+           "stride_y": "i32", "eps": "fp32"}
+    if fwd.one_block:
+        job = TritonJob(_add_rms_norm_fwd_kernel, {**sig, "n_rows": "i32"}, num_warps=fwd.num_warps,
+                        constexprs={"HAS_WEIGHT": True, "BLOCK_R": fwd.block_r, "BLOCK_N": fwd.block_n})
+    else:
+        job = TritonJob(_add_rms_norm_fwd_tiled_kernel, sig, num_warps=fwd.num_warps,
+                        constexprs={"HAS_WEIGHT": True, "BLOCK_N": fwd.block_n})
+    bwd = [(label.replace("rms_norm", "add_rms_norm"), j)
+           for label, j in rms_norm_aot_jobs(n, dtype, n_rows, add_dres=True) if " bwd " in label]
+    return [(f"add_rms_norm fwd {n}", job)] + bwd
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, *, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` and ``y = rms_norm(h) * weight`` in one Triton kernel; returns (h, y).
 
     x and residual: same shape and dtype (fp16, bf16 or fp32), features last, any row stride;
     weight: (n,) of that dtype or None. Both outputs are contiguous, in x's dtype; the statistic is
-    fp32. Differentiable in x, residual and weight (the backward is fused too).
+    fp32. Differentiable in x, residual and weight (the backward is fused too). Rows wider than the
+    launch rule's widest block (:func:`kernels.rows.row_launch`), or ``block_size``, are walked in blocks.
     """
     n = check_norm_inputs("add_rms_norm", x, weight=weight)
     if not isinstance(residual, torch.Tensor):
@@ -118,4 +178,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"add_rms_norm: eps must be a non-negative number, got {eps!r}")
     del n
-    return _AddRMSNorm.apply(x, residual, weight, float(eps))
+    check_block_size("add_rms_norm", block_size)
+    return _AddRMSNorm.apply(x, residual, weight, float(eps), block_size)

@@ -1,11 +1,15 @@
-"""What the norm kernels share: input checks, block sizes, and the weight-gradient sum (the (rows, n)
-view and the warp count come from :mod:`kernels.rows`).
+"""What the norm kernels share: input checks, the tiled backward for wide rows, and the
+weight-gradient sum (the (rows, n) view and the launch rule come from :mod:`kernels.rows`).
 
 A norm over the last dimension treats ``x`` as a matrix of ``rows = numel / n`` rows of ``n``
-features. Each forward program normalizes ``BLOCK_R`` whole rows held in one (BLOCK_R, BLOCK_N)
-tile. Each backward program walks a strided set of row tiles, writes its rows of dx, and keeps
-running column sums for the weight (and bias) gradients; those per-program partial sums, a
-(programs, n) fp32 buffer, are added up by :func:`sum_partials` (``_sum_partials_kernel``).
+features. When a row fits one block (:func:`kernels.rows.row_launch`), each forward program
+normalizes ``BLOCK_R`` whole rows held in one (BLOCK_R, BLOCK_N) tile, and each backward program
+walks a strided set of row tiles, writes its rows of dx, and keeps running column sums for the
+weight (and bias) gradients in registers. A wider row is walked in column blocks: the forward in
+two passes (statistics, then normalize), the backward in two kernels defined here, one pass for
+each row's dot products (``_norm_bwd_dots_kernel``) and one over (column block, row group) tiles
+for dx and the partial weight sums (``_norm_bwd_tiled_kernel``). Either way the per-program
+partial sums, a (programs, n) fp32 buffer, are added up by :func:`sum_partials`.
 """
 from __future__ import annotations
 
@@ -14,12 +18,9 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
+from kernels.rows import RowLaunch, triton_type
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The longest row a norm kernel holds in one block (a row is reduced in registers, not re-read).
-MAX_FEATURES = 65536
-# Elements per (BLOCK_R, BLOCK_N) tile: several short rows share one program.
-TILE_ELEMENTS = 4096
 
 
 def wide(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -40,8 +41,6 @@ def check_norm_inputs(fn: str, x, **params) -> int:
     n = x.shape[-1]
     if n == 0:
         raise ValueError(f"{fn}: x has no features (last dimension is 0), shape {tuple(x.shape)}")
-    if n > MAX_FEATURES:
-        raise ValueError(f"{fn}: rows of {n} features exceed the kernel's one-block limit of {MAX_FEATURES}")
     if x.device.type != runtime.device().type:
         raise ValueError(f"{fn}: x is on {x.device}, kernels run on {runtime.device()} here")
     for name, p in params.items():
@@ -61,18 +60,139 @@ def check_norm_inputs(fn: str, x, **params) -> int:
     return n
 
 
-def block_sizes(n_rows: int, n: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_N): a whole row per block, as many rows as fit in TILE_ELEMENTS."""
-    block_n = triton.next_power_of_2(n)
-    block_r = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    return block_r, block_n
-
-
-def backward_programs(n_tiles: int) -> int:
-    """How many programs share the backward's row tiles (each writes one row of partial sums)."""
+def backward_programs(n_tiles: int, col_blocks: int = 1) -> int:
+    """How many row groups share the backward's row tiles (each writes one row of partial sums);
+    with ``col_blocks`` column blocks per row, each group is that many programs."""
     if runtime.runtime().on_gpu:
-        return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(0).multi_processor_count))
+        target = 4 * torch.cuda.get_device_properties(0).multi_processor_count // col_blocks
+        return max(1, min(n_tiles, target))
     return max(1, min(n_tiles, 4))  # the interpreter runs programs one after another: keep few
+
+
+@triton.jit
+def _norm_bwd_dots_kernel(
+    x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, n, stride_x, stride_g,
+    HAS_WEIGHT: tl.constexpr, CENTERED: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Tiled backward, pass 1, one program per row: the row's dot products, block by block,
+        c1 = mean(gw * xhat),   c2 = mean(gw)   (c2 for LayerNorm only: CENTERED),
+    with gw = g * w and xhat = (x - mean) * rstd (mean = 0 for RMSNorm). Reads x and g once."""
+    row = tl.program_id(0).to(tl.int64)                                 # int64: row * stride may pass 2**31
+    x_row = x_ptr + row * stride_x
+    g_row = g_ptr + row * stride_g
+    rstd = tl.load(rstd_ptr + row)
+    mean = tl.load(mean_ptr + row) if CENTERED else 0.0
+    cols = tl.arange(0, BLOCK_N)
+    s1 = tl.zeros((BLOCK_N,), tl.float32)                                # lane sums of gw * xhat
+    s2 = tl.zeros((BLOCK_N,), tl.float32)                                # lane sums of gw
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        ok = c < n
+        x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+        gw = tl.load(g_row + c, mask=ok, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            gw = gw * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        s1 += gw * tl.where(ok, (x - mean) * rstd, 0.0)
+        s2 += gw
+    tl.store(c1_ptr + row, tl.sum(s1, axis=0) / n)
+    if CENTERED:
+        tl.store(c2_ptr + row, tl.sum(s2, axis=0) / n)
+
+
+@triton.jit
+def _norm_bwd_tiled_kernel(
+    x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, dres_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    n_rows, n, stride_x, stride_g, stride_dres, stride_dx,
+    HAS_WEIGHT: tl.constexpr, CENTERED: tl.constexpr, ADD_DRES: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Tiled backward, pass 2, grid (column blocks, row groups): for each row of its group,
+        dx = rstd * (gw - c2 - xhat * c1)  (+ dres, the residual's own gradient, when ADD_DRES)
+    and the weight (bias) gradient partials sum_rows g * xhat (sum_rows g) of its column block,
+    kept in registers and written once, one row of the (row groups, n) partial buffers."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)           # (BLOCK_N,) this column block
+    ok = cols < n
+    group = tl.program_id(1)
+    n_groups = tl.num_programs(1)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for r in range(group, n_rows, n_groups):
+        row = tl.cast(r, tl.int64)                                       # int64: row * stride may pass 2**31
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        mean = tl.load(mean_ptr + row) if CENTERED else 0.0
+        xhat = tl.where(ok, (x - mean) * rstd, 0.0)
+        gw = g * w if HAS_WEIGHT else g
+        dx = gw - xhat * tl.load(c1_ptr + row)
+        if CENTERED:
+            dx -= tl.load(c2_ptr + row)
+        dx *= rstd
+        if ADD_DRES:
+            dx += tl.load(dres_ptr + row * stride_dres + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        if NEED_DW:
+            dw_acc += g * xhat
+        if NEED_DB:
+            db_acc += g
+    part = group.to(tl.int64) * n
+    if NEED_DW:
+        tl.store(dw_part_ptr + part + cols, dw_acc, mask=ok)
+    if NEED_DB:
+        tl.store(db_part_ptr + part + cols, db_acc, mask=ok)
+
+
+def tiled_backward(x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bool, need_db: bool, dres2=None):
+    """The norm backward for rows wider than one block, on (rows, n) views: ``(dx2, dw_part, db_part)``.
+
+    ``mean`` is None for RMSNorm (no centring, no c2); ``dres2`` is added into dx. The partial
+    buffers are (row groups, n) fp32, zero where not needed; :func:`sum_partials` adds them up.
+    """
+    n_rows, n = x2.shape
+    centered = mean is not None
+    dev = x2.device
+    c1 = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    c2 = torch.empty(n_rows, dtype=torch.float32, device=dev) if centered else c1
+    _norm_bwd_dots_kernel[(n_rows,)](
+        x2, weight if weight is not None else x2, g2, mean if centered else rstd, rstd, c1, c2,
+        n, x2.stride(0), g2.stride(0),
+        HAS_WEIGHT=weight is not None, CENTERED=centered, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )
+    n_groups = backward_programs(n_rows, launch.col_blocks)
+    dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=dev)
+    dw_part = torch.zeros((n_groups, n), dtype=torch.float32, device=dev)
+    db_part = torch.zeros((n_groups, n), dtype=torch.float32, device=dev)
+    _norm_bwd_tiled_kernel[(launch.col_blocks, n_groups)](
+        x2, weight if weight is not None else x2, g2, mean if centered else rstd, rstd, c1, c2,
+        g2 if dres2 is None else dres2, dx2, dw_part, db_part,
+        n_rows, n, x2.stride(0), g2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
+        HAS_WEIGHT=weight is not None, CENTERED=centered, ADD_DRES=dres2 is not None,
+        NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )
+    return dx2, dw_part, db_part
+
+
+def tiled_backward_jobs(label: str, dtype: torch.dtype, launch: RowLaunch, *, centered: bool,
+                        add_dres: bool = False) -> list:
+    """``(label, TritonJob)`` for the two tiled backward kernels with ``launch``'s choices (AOT compiles)."""
+    from kernels.inspect import TritonJob
+
+    t = triton_type(dtype)
+    ptrs = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "g_ptr": f"*{t}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+            "c1_ptr": "*fp32", "c2_ptr": "*fp32"}
+    dots = TritonJob(_norm_bwd_dots_kernel, {**ptrs, "n": "i32", "stride_x": "i32", "stride_g": "i32"},
+                     constexprs={"HAS_WEIGHT": True, "CENTERED": centered, "BLOCK_N": launch.block_n},
+                     num_warps=launch.num_warps)
+    tiled = TritonJob(_norm_bwd_tiled_kernel,
+                      {**ptrs, "dres_ptr": f"*{t}", "dx_ptr": f"*{t}", "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32",
+                       "n_rows": "i32", "n": "i32", "stride_x": "i32", "stride_g": "i32", "stride_dres": "i32",
+                       "stride_dx": "i32"},
+                      constexprs={"HAS_WEIGHT": True, "CENTERED": centered, "ADD_DRES": add_dres, "NEED_DW": True,
+                                  "NEED_DB": centered, "BLOCK_N": launch.block_n},
+                      num_warps=launch.num_warps)
+    return [(f"{label} dots", dots), (f"{label} dx", tiled)]
 
 
 @triton.jit

@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
-from kernels.rows import as_rows, num_warps
+from kernels.norm.common import (
+    backward_programs, check_norm_inputs, sum_partials, tiled_backward, wide,
+)
+from kernels.rows import BACKWARD, FORWARD, as_rows, check_block_size, row_launch, triton_type
 
 
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -62,6 +64,8 @@ def _layer_norm_fwd_kernel(
     n_rows, n, stride_x, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """v1, one block: BLOCK_R whole rows per program, held in registers (n <= BLOCK_N).
+    x is read once and y written once: 2 memory passes per element."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)   # (BLOCK_R,), int64 offsets
     cols = tl.arange(0, BLOCK_N)                                          # (BLOCK_N,) covers the row
     row_ok = rows < n_rows
@@ -83,12 +87,56 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _layer_norm_fwd_tiled_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n, stride_x, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """v2, a row wider than one block: one program per row, walked in blocks of BLOCK_N twice.
+
+    Pass 1 merges each block's count, mean and sum of squared deviations M2 into the row's
+    (Chan, Golub and LeVeque): with d = mean_b - mean_a and n_ab = n_a + n_b,
+        mean = mean_a + d * n_b / n_ab,     M2 = M2_a + M2_b + d^2 * n_a * n_b / n_ab
+    which never forms E[x^2] - E[x]^2 (that difference cancels catastrophically when |mean| >> std).
+    Pass 2 re-reads x and writes y: 3 memory passes, not 2.
+    """
+    row = tl.program_id(0).to(tl.int64)                                   # int64: row * stride may pass 2**31
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    mean = tl.full((), 0.0, tl.float32)                                   # of the blocks merged so far
+    m2 = tl.full((), 0.0, tl.float32)
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_row + c, mask=c < n, other=0.0).to(tl.float32)
+        n_a = start * 1.0                                                 # elements merged so far
+        n_b = tl.minimum(n - start, BLOCK_N) * 1.0                        # elements in this block
+        mean_b = tl.sum(x, axis=0) / n_b
+        dev = tl.where(c < n, x - mean_b, 0.0)
+        d = mean_b - mean
+        mean += d * n_b / (n_a + n_b)
+        m2 += tl.sum(dev * dev, axis=0) + d * d * n_a * n_b / (n_a + n_b)
+    rstd = 1.0 / tl.sqrt(m2 / n + eps)
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        y = (tl.load(x_row + c, mask=c < n, other=0.0).to(tl.float32) - mean) * rstd   # xhat
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=c < n)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n, stride_x, stride_g, stride_dx, n_tiles,
     HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """One block: each program walks a strided set of (BLOCK_R, BLOCK_N) row tiles (n <= BLOCK_N),
+    reading x and g once, writing dx once, and summing g * xhat and g for dw, db in registers."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -126,24 +174,30 @@ def _layer_norm_bwd_kernel(
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, block_size):
         n = x.shape[-1]
         x2 = as_rows(x)
         n_rows = x2.shape[0]
         y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_r, block_n = block_sizes(n_rows, n)
-        if n_rows:
-            _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-                x2, weight if weight is not None else x2, bias if bias is not None else x2, y2, mean, rstd,
-                n_rows, n, x2.stride(0), y2.stride(0), eps,
-                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_N=block_n,
-                num_warps=num_warps(block_r * block_n),
+        launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
+        w, b = weight if weight is not None else x2, bias if bias is not None else x2
+        if n_rows and launch.one_block:
+            _layer_norm_fwd_kernel[(triton.cdiv(n_rows, launch.block_r),)](
+                x2, w, b, y2, mean, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+            )
+        elif n_rows:
+            _layer_norm_fwd_tiled_kernel[(n_rows,)](
+                x2, w, b, y2, mean, rstd, n, x2.stride(0), y2.stride(0), eps,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                BLOCK_N=launch.block_n, num_warps=launch.num_warps,
             )
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.block_size = x.shape, block_size
         return y2.view(x.shape)
 
     @staticmethod
@@ -151,35 +205,78 @@ class _LayerNorm(torch.autograd.Function):
         x2, weight, mean, rstd = ctx.saved_tensors
         n_rows, n = x2.shape
         g2 = as_rows(g.to(x2.dtype))
-        block_r, block_n = block_sizes(n_rows, n)
-        n_tiles = triton.cdiv(n_rows, block_r)
-        n_prog = backward_programs(n_tiles)
         need_dw = weight is not None and ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
-        dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
-        dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
-        db_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
-        if n_rows:
-            _layer_norm_bwd_kernel[(n_prog,)](
-                x2, weight if weight is not None else x2, g2, mean, rstd, dx2, dw_part, db_part,
-                n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), n_tiles,
-                HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_R=block_r, BLOCK_N=block_n,
-                num_warps=num_warps(block_r * block_n),
-            )
+        launch = row_launch(n, x2.dtype, BACKWARD, n_rows=n_rows, block_size=ctx.block_size)
+        if n_rows == 0:
+            dx2 = torch.empty_like(x2)
+            dw_part = db_part = torch.zeros((1, n), dtype=torch.float32, device=x2.device)
+        elif launch.one_block:
+            dx2, dw_part, db_part = _one_block_backward(x2, weight, g2, mean, rstd, launch, need_dw, need_db)
+        else:
+            dx2, dw_part, db_part = tiled_backward(x2, weight, g2, mean, rstd, launch, need_dw=need_dw, need_db=need_db)
         dw = sum_partials(dw_part, x2.dtype) if need_dw else None
         db = sum_partials(db_part, x2.dtype) if need_db else None
-        return dx2.view(ctx.x_shape), dw, db, None
+        return dx2.view(ctx.x_shape), dw, db, None, None
+
+
+def _one_block_backward(x2, weight, g2, mean, rstd, launch, need_dw: bool, need_db: bool):
+    """``(dx2, dw_part, db_part)`` from ``_layer_norm_bwd_kernel``, for rows that fit one block."""
+    n_rows, n = x2.shape
+    n_tiles = triton.cdiv(n_rows, launch.block_r)
+    n_prog = backward_programs(n_tiles)
+    dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
+    dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
+    db_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
+    _layer_norm_bwd_kernel[(n_prog,)](
+        x2, weight if weight is not None else x2, g2, mean, rstd, dx2, dw_part, db_part,
+        n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), n_tiles,
+        HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
+        BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )
+    return dx2, dw_part, db_part
+
+
+def aot_jobs(n: int, dtype: torch.dtype, n_rows: int = 4096) -> list:
+    """``(label, TritonJob)`` for the kernels that run at width ``n``, with the launchers' own
+    choices (:func:`kernels.rows.row_launch`), for an ahead-of-time compile (:mod:`kernels.inspect`)."""
+    from kernels.inspect import TritonJob
+    from kernels.norm.common import tiled_backward_jobs
+
+    t = triton_type(dtype)
+    fwd, bwd = row_launch(n, dtype, FORWARD, n_rows=n_rows), row_launch(n, dtype, BACKWARD, n_rows=n_rows)
+    ptrs = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "y_ptr": f"*{t}", "mean_ptr": "*fp32",
+            "rstd_ptr": "*fp32"}
+    scalars = {"n": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
+    if fwd.one_block:
+        job = TritonJob(_layer_norm_fwd_kernel, {**ptrs, "n_rows": "i32", **scalars}, num_warps=fwd.num_warps,
+                        constexprs={"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_R": fwd.block_r, "BLOCK_N": fwd.block_n})
+    else:
+        job = TritonJob(_layer_norm_fwd_tiled_kernel, {**ptrs, **scalars}, num_warps=fwd.num_warps,
+                        constexprs={"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_N": fwd.block_n})
+    jobs = [(f"layer_norm fwd {n}", job)]
+    if not bwd.one_block:
+        return jobs + tiled_backward_jobs(f"layer_norm bwd {n}", dtype, bwd, centered=True)
+    sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "g_ptr": f"*{t}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+           "dx_ptr": f"*{t}", "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "n_rows": "i32", "n": "i32",
+           "stride_x": "i32", "stride_g": "i32", "stride_dx": "i32", "n_tiles": "i32"}
+    return jobs + [(f"layer_norm bwd {n}", TritonJob(
+        _layer_norm_bwd_kernel, sig, num_warps=bwd.num_warps,
+        constexprs={"HAS_WEIGHT": True, "NEED_DW": True, "NEED_DB": True, "BLOCK_R": bwd.block_r,
+                    "BLOCK_N": bwd.block_n}))]
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               eps: float = 1e-5) -> torch.Tensor:
+               eps: float = 1e-5, *, block_size: int | None = None) -> torch.Tensor:
     """``F.layer_norm(x, (x.shape[-1],), weight, bias, eps)`` in Triton, forward and backward.
 
-    ``x``: fp16, bf16 or fp32, any shape with features last (at most 65536 of them); ``weight`` and
-    ``bias``: ``(n,)`` of x's dtype, or None. Statistics are fp32; the result has x's dtype.
-    Gradients flow to x, weight and bias.
+    ``x``: fp16, bf16 or fp32, any shape with features last; ``weight`` and ``bias``: ``(n,)`` of
+    x's dtype, or None. Statistics are fp32; the result has x's dtype. Gradients flow to x, weight
+    and bias. Rows wider than the launch rule's widest block (:func:`kernels.rows.row_launch`), or
+    than ``block_size`` when given, are walked in blocks.
     """
     check_norm_inputs("layer_norm", x, weight=weight, bias=bias)
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"layer_norm: eps must be a non-negative number, got {eps!r}")
-    return _LayerNorm.apply(x, weight, bias, float(eps))
+    check_block_size("layer_norm", block_size)
+    return _LayerNorm.apply(x, weight, bias, float(eps), block_size)

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm.common import backward_programs, block_sizes, check_norm_inputs, sum_partials, wide
-from kernels.rows import as_rows, num_warps
+from kernels.norm.common import (
+    backward_programs, check_norm_inputs, sum_partials, tiled_backward, wide,
+)
+from kernels.rows import BACKWARD, FORWARD, as_rows, check_block_size, row_launch, triton_type
 
 
 def _eps(x: torch.Tensor, eps: float | None) -> float:
@@ -60,6 +62,8 @@ def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """v1, one block: BLOCK_R whole rows per program, held in registers (n <= BLOCK_N).
+    x is read once and y written once: 2 memory passes per element."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)   # (BLOCK_R,), int64 offsets
     cols = tl.arange(0, BLOCK_N)                                          # (BLOCK_N,) covers the row
     row_ok = rows < n_rows
@@ -76,14 +80,43 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _rms_norm_fwd_tiled_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """v2, a row wider than one block: one program per row, walked in blocks of BLOCK_N twice.
+    Pass 1 sums x^2; pass 2 re-reads x and writes y = x * rstd * w: 3 memory passes, not 2."""
+    row = tl.program_id(0).to(tl.int64)                                   # int64: row * stride may pass 2**31
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    ss = tl.zeros((BLOCK_N,), tl.float32)                                 # lane sums of x^2
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_row + c, mask=c < n, other=0.0).to(tl.float32)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / n + eps)                    # 1 / sqrt(mean(x^2) + eps)
+    for start in range(0, n, BLOCK_N):
+        c = start + cols
+        y = tl.load(x_row + c, mask=c < n, other=0.0).to(tl.float32) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=c < n)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
     n_rows, n, stride_x, stride_g, stride_dx, stride_dres, n_tiles,
     HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, ADD_DRES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # ADD_DRES: x also has a gradient of its own, dres (the residual stream's, in add_rms_norm),
-    # which is added to dx; off for a plain RMSNorm, where dres_ptr is unused.
+    """One block: each program walks a strided set of (BLOCK_R, BLOCK_N) row tiles (n <= BLOCK_N),
+    reading x and g once, writing dx once, and summing g * xhat for dw in registers.
+
+    ADD_DRES: x also has a gradient of its own, dres (the residual stream's, in add_rms_norm),
+    which is added to dx; off for a plain RMSNorm, where dres_ptr is unused."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -116,61 +149,111 @@ def _rms_norm_bwd_kernel(
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, block_size):
         n = x.shape[-1]
         x2 = as_rows(x)
         n_rows = x2.shape[0]
         y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_r, block_n = block_sizes(n_rows, n)
         if n_rows:
-            _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-                x2, weight if weight is not None else x2, y2, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps,
-                HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_N=block_n,
-                num_warps=num_warps(block_r * block_n),
-            )
+            forward_rows(x2, weight, y2, rstd, eps, row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size))
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.block_size = x.shape, block_size
         return y2.view(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         x2, weight, rstd = ctx.saved_tensors
         need_dw = weight is not None and ctx.needs_input_grad[1]
-        dx2, dw = backward_rows(x2, weight, rstd, as_rows(g.to(x2.dtype)), need_dw)
-        return dx2.view(ctx.x_shape), dw, None
+        dx2, dw = backward_rows(x2, weight, rstd, as_rows(g.to(x2.dtype)), need_dw, block_size=ctx.block_size)
+        return dx2.view(ctx.x_shape), dw, None, None
 
 
-def backward_rows(x2, weight, rstd, g2, need_dw: bool, dres2=None):
+def forward_rows(x2, weight, y2, rstd, eps: float, launch) -> None:
+    """Launch the forward on (rows, n) views: one block per row tile, or two passes over blocks."""
+    n_rows, n = x2.shape
+    w = weight if weight is not None else x2
+    if launch.one_block:
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, launch.block_r),)](
+            x2, w, y2, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps,
+            HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+        )
+    else:
+        _rms_norm_fwd_tiled_kernel[(n_rows,)](
+            x2, w, y2, rstd, n, x2.stride(0), y2.stride(0), eps,
+            HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+        )
+
+
+def backward_rows(x2, weight, rstd, g2, need_dw: bool, dres2=None, *, block_size: int | None = None):
     """The RMSNorm backward on (rows, n) views: ``(dx2, dw)``, with ``dw`` None unless ``need_dw``.
 
     ``dres2`` is a gradient that x receives directly, besides through the norm (the residual
-    stream's, in :mod:`kernels.norm.add_rms_norm`); the kernel adds it into dx.
+    stream's, in :mod:`kernels.norm.add_rms_norm`); the kernel adds it into dx. Rows that fit one
+    block take ``_rms_norm_bwd_kernel``; wider rows the two tiled kernels of :mod:`kernels.norm.common`.
     """
     n_rows, n = x2.shape
-    block_r, block_n = block_sizes(n_rows, n)
-    n_tiles = triton.cdiv(n_rows, block_r)
+    if n_rows == 0:
+        return torch.empty_like(x2), (torch.zeros(n, dtype=x2.dtype, device=x2.device) if need_dw else None)
+    launch = row_launch(n, x2.dtype, BACKWARD, n_rows=n_rows, block_size=block_size)
+    if not launch.one_block:
+        dx2, dw_part, _ = tiled_backward(x2, weight, g2, None, rstd, launch, need_dw=need_dw, need_db=False,
+                                         dres2=dres2)
+        return dx2, (sum_partials(dw_part, x2.dtype) if need_dw else None)
+    n_tiles = triton.cdiv(n_rows, launch.block_r)
     n_prog = backward_programs(n_tiles)
     dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
     dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
-    if n_rows:
-        _rms_norm_bwd_kernel[(n_prog,)](
-            x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2 if dres2 is None else dres2,
-            n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0 if dres2 is None else dres2.stride(0), n_tiles,
-            HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=dres2 is not None,
-            BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps(block_r * block_n),
-        )
+    _rms_norm_bwd_kernel[(n_prog,)](
+        x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2 if dres2 is None else dres2,
+        n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0 if dres2 is None else dres2.stride(0), n_tiles,
+        HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=dres2 is not None,
+        BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
+    )
     return dx2, (sum_partials(dw_part, x2.dtype) if need_dw else None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+def aot_jobs(n: int, dtype: torch.dtype, n_rows: int = 4096, *, add_dres: bool = False) -> list:
+    """``(label, TritonJob)`` for the kernels that run at width ``n``, with the launchers' own
+    choices (:func:`kernels.rows.row_launch`), for an ahead-of-time compile (:mod:`kernels.inspect`)."""
+    from kernels.inspect import TritonJob
+    from kernels.norm.common import tiled_backward_jobs
+
+    t = triton_type(dtype)
+    fwd, bwd = row_launch(n, dtype, FORWARD, n_rows=n_rows), row_launch(n, dtype, BACKWARD, n_rows=n_rows)
+    ptrs = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32"}
+    if fwd.one_block:
+        job = TritonJob(_rms_norm_fwd_kernel, {**ptrs, "n_rows": "i32", "n": "i32", "stride_x": "i32",
+                                               "stride_y": "i32", "eps": "fp32"},
+                        constexprs={"HAS_WEIGHT": True, "BLOCK_R": fwd.block_r, "BLOCK_N": fwd.block_n},
+                        num_warps=fwd.num_warps)
+    else:
+        job = TritonJob(_rms_norm_fwd_tiled_kernel, {**ptrs, "n": "i32", "stride_x": "i32", "stride_y": "i32",
+                                                     "eps": "fp32"},
+                        constexprs={"HAS_WEIGHT": True, "BLOCK_N": fwd.block_n}, num_warps=fwd.num_warps)
+    jobs = [(f"rms_norm fwd {n}", job)]
+    if not bwd.one_block:
+        return jobs + tiled_backward_jobs(f"rms_norm bwd {n}", dtype, bwd, centered=False, add_dres=add_dres)
+    sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "g_ptr": f"*{t}", "rstd_ptr": "*fp32", "dx_ptr": f"*{t}",
+           "dw_part_ptr": "*fp32", "dres_ptr": f"*{t}", "n_rows": "i32", "n": "i32", "stride_x": "i32",
+           "stride_g": "i32", "stride_dx": "i32", "stride_dres": "i32", "n_tiles": "i32"}
+    return jobs + [(f"rms_norm bwd {n}", TritonJob(
+        _rms_norm_bwd_kernel, sig, num_warps=bwd.num_warps,
+        constexprs={"HAS_WEIGHT": True, "NEED_DW": True, "ADD_DRES": add_dres, "BLOCK_R": bwd.block_r,
+                    "BLOCK_N": bwd.block_n}))]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None, *,
+             block_size: int | None = None) -> torch.Tensor:
     """``F.rms_norm(x, (x.shape[-1],), weight, eps)`` in Triton, forward and backward.
 
-    ``x``: fp16, bf16 or fp32, any shape with features last (at most 65536 of them); ``weight``:
-    ``(n,)`` of x's dtype, or None. ``eps=None`` is ``torch.finfo(x.dtype).eps``. The statistic is
-    fp32; the result has x's dtype. Gradients flow to x and weight.
+    ``x``: fp16, bf16 or fp32, any shape with features last; ``weight``: ``(n,)`` of x's dtype, or
+    None. ``eps=None`` is ``torch.finfo(x.dtype).eps``. The statistic is fp32; the result has x's
+    dtype. Gradients flow to x and weight. Rows wider than the launch rule's widest block
+    (:func:`kernels.rows.row_launch`), or than ``block_size`` when given, are walked in blocks.
     """
     check_norm_inputs("rms_norm", x, weight=weight)
     if eps is not None and (not isinstance(eps, (int, float)) or eps < 0):
         raise ValueError(f"rms_norm: eps must be a non-negative number or None, got {eps!r}")
-    return _RMSNorm.apply(x, weight, _eps(x, eps))
+    check_block_size("rms_norm", block_size)
+    return _RMSNorm.apply(x, weight, _eps(x, eps), block_size)

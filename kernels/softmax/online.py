@@ -31,14 +31,12 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.rows import as_rows, num_warps
+from kernels.rows import FORWARD, RowLaunch, as_rows, check_block_size, row_launch, triton_type
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# A row of at most MAX_BLOCK elements is held in one block (one read of x, one write of y);
-# a longer row is walked in blocks of MAX_BLOCK with the online recurrence (two reads, one write).
-MAX_BLOCK = 4096
-# The single-block kernel packs several short rows into one program, up to this many elements.
-TILE_ELEMENTS = 4096
+# The launch comes from kernels.rows.row_launch: a row of at most FORWARD.max_block elements is held
+# in one block (one read of x, one write of y), several short rows to a program; a longer row is
+# walked in blocks with the online recurrence (two reads, one write). The backward uses the same rule.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,15 +224,10 @@ def _check_input(x, dim: int, name: str = "x") -> int:
     return dim % x.dim()
 
 
-def _block_sizes(n_rows: int, n_cols: int, block_size: int | None) -> tuple[int, int]:
-    if block_size is not None:
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"softmax: block_size must be a power of two, got {block_size}")
-        block_n = block_size
-    else:
-        block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
-    block_r = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
-    return block_r, block_n
+def launch(n_rows: int, n_cols: int, dtype: torch.dtype, block_size: int | None = None) -> RowLaunch:
+    """The launch of both directions (:func:`kernels.rows.row_launch` with the forward budget);
+    ``block_size``, a power of two, caps the block (the tests walk short rows in several blocks)."""
+    return row_launch(n_cols, dtype, FORWARD, n_rows=n_rows, block_size=block_size)
 
 
 def _forward_rows(x2: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -242,14 +235,14 @@ def _forward_rows(x2: torch.Tensor, block_size: int | None) -> torch.Tensor:
     y2 = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     if n_rows == 0 or n_cols == 0:
         return y2
-    block_r, block_n = _block_sizes(n_rows, n_cols, block_size)
-    if n_cols <= block_n:
-        grid = (triton.cdiv(n_rows, block_r),)
-        _softmax_kernel[grid](x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n,
-                              num_warps=num_warps(block_r * block_n))
+    lc = launch(n_rows, n_cols, x2.dtype, block_size)
+    if lc.one_block:
+        grid = (triton.cdiv(n_rows, lc.block_r),)
+        _softmax_kernel[grid](x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0), BLOCK_R=lc.block_r,
+                              BLOCK_N=lc.block_n, num_warps=lc.num_warps)
     else:
-        _softmax_online_kernel[(n_rows,)](x2, y2, n_cols, x2.stride(0), y2.stride(0), BLOCK_N=block_n,
-                                         num_warps=num_warps(block_n))
+        _softmax_online_kernel[(n_rows,)](x2, y2, n_cols, x2.stride(0), y2.stride(0), BLOCK_N=lc.block_n,
+                                         num_warps=lc.num_warps)
     return y2
 
 
@@ -258,13 +251,33 @@ def _backward_rows(y2: torch.Tensor, g2: torch.Tensor, block_size: int | None) -
     dx2 = torch.empty((n_rows, n_cols), dtype=y2.dtype, device=y2.device)
     if n_rows == 0 or n_cols == 0:
         return dx2
-    block_r, block_n = _block_sizes(n_rows, n_cols, block_size)
-    grid = (triton.cdiv(n_rows, block_r),)
-    _softmax_bwd_kernel[grid](
-        y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0), BLOCK_R=block_r, BLOCK_N=block_n,
-        num_warps=num_warps(block_r * block_n),
+    lc = launch(n_rows, n_cols, y2.dtype, block_size)
+    _softmax_bwd_kernel[(triton.cdiv(n_rows, lc.block_r),)](
+        y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0), BLOCK_R=lc.block_r,
+        BLOCK_N=lc.block_n, num_warps=lc.num_warps,
     )
     return dx2
+
+
+def aot_jobs(n_cols: int, dtype: torch.dtype, n_rows: int = 4096) -> list:
+    """``(label, TritonJob)`` for the forward and backward kernels that run at width ``n_cols``,
+    with the launchers' own choices (:func:`launch`), for an ahead-of-time compile (:mod:`kernels.inspect`)."""
+    from kernels.inspect import TritonJob
+
+    t = triton_type(dtype)
+    lc = launch(n_rows, n_cols, dtype)
+    io = {"x_ptr": f"*{t}", "y_ptr": f"*{t}"}
+    if lc.one_block:
+        fwd = TritonJob(_softmax_kernel, {**io, "n_rows": "i32", "n_cols": "i32", "stride_x": "i32", "stride_y": "i32"},
+                        constexprs={"BLOCK_R": lc.block_r, "BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
+    else:
+        fwd = TritonJob(_softmax_online_kernel, {**io, "n_cols": "i32", "stride_x": "i32", "stride_y": "i32"},
+                        constexprs={"BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
+    bwd = TritonJob(_softmax_bwd_kernel,
+                    {"y_ptr": f"*{t}", "g_ptr": f"*{t}", "dx_ptr": f"*{t}", "n_rows": "i32", "n_cols": "i32",
+                     "stride_y": "i32", "stride_g": "i32", "stride_dx": "i32"},
+                    constexprs={"BLOCK_R": lc.block_r, "BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
+    return [(f"softmax fwd {n_cols}", fwd), (f"softmax bwd {n_cols}", bwd)]
 
 
 class _Softmax(torch.autograd.Function):
@@ -290,13 +303,14 @@ class _Softmax(torch.autograd.Function):
 def softmax(x: torch.Tensor, dim: int = -1, *, block_size: int | None = None) -> torch.Tensor:
     """``torch.softmax(x, dim)`` in Triton, for fp16, bf16 or fp32 ``x`` of any shape; differentiable.
 
-    The result has ``x``'s dtype; the arithmetic is fp32. Rows of at most ``MAX_BLOCK`` elements
-    (or ``block_size``, a power of two, when given) are done in one block by ``_softmax_kernel``;
+    The result has ``x``'s dtype; the arithmetic is fp32. Rows that fit the widest block of the
+    launch rule (:func:`launch`; or ``block_size``, a power of two, when given) are done in one block by ``_softmax_kernel``;
     longer rows by ``_softmax_online_kernel``, which walks the row in blocks with the online
     recurrence. Any strides are accepted (a row-strided view is read in place; other layouts are
     copied first). A row that is all ``-inf`` gives NaN, as ``torch.softmax`` does.
     """
     d = _check_input(x, dim)
+    check_block_size("softmax", block_size)
     if x.numel() == 0:
         return torch.empty_like(x)
     return _Softmax.apply(x, d, block_size)
