@@ -1,6 +1,7 @@
 """kernels.attention.flash_decode: split-K decode attention, its combine, and the FlashDecoding++ variant."""
 import kernels  # noqa: F401  (before triton)
 
+import re
 from importlib import import_module
 
 import pytest
@@ -219,3 +220,100 @@ def test_bad_inputs_raise_clear_errors():
         flash_decode(q, k, v, L, block_s=24)
     with pytest.raises(ValueError, match="phi"):
         flash_decode_unified_max(q, k, v, L, phi=float("inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time builds for sm_90a at real shapes (head_dim 128, GQA groups 4 and 8), with the
+# launchers' tiles and 4 warps: one compile_triton_many call for the module (about 2 s per kernel).
+
+from kernels import inspect as ki  # noqa: E402
+from kernels.attention import decode as dec  # noqa: E402
+
+_POINTERS = {"lens_ptr": "*i32", "mpart_ptr": "*fp32", "lpart_ptr": "*fp32", "opart_ptr": "*fp32", "flag_ptr": "*i32"}
+_FLOATS = {"scale_log2", "phi_log2", "low_log2", "high_log2"}
+
+
+def _signature(kernel, constexprs):
+    """fp16 tensors, fp32 partials, i32 strides and sizes: what a launch with fp16 caches passes."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            continue
+        sig[name] = _POINTERS.get(name, "*fp16") if name.endswith("_ptr") else ("fp32" if name in _FLOATS else "i32")
+    return sig
+
+
+def _job(kernel, **constexprs):
+    return ki.TritonJob(kernel, _signature(kernel, constexprs), constexprs=constexprs, num_warps=4)
+
+
+def _tiles(group):
+    return dict(BLOCK_G=group, BLOCK_S=dec.gpu_block_s(group, 128), BLOCK_D=128)
+
+
+AOT_CASES = {
+    "decode_attention, group 4": _job(dec._decode_attention_kernel, **_tiles(4), MASK_LENGTH=True),
+    "decode_attention, group 8": _job(dec._decode_attention_kernel, **_tiles(8), MASK_LENGTH=True),
+    "split, group 4": _job(fd._flash_decode_split_kernel, **_tiles(4), UNIFIED=False),
+    "split, group 8": _job(fd._flash_decode_split_kernel, **_tiles(8), UNIFIED=False),
+    "split unified max, group 8": _job(fd._flash_decode_split_kernel, **_tiles(8), UNIFIED=True),
+    "combine, 64 splits": _job(fd._flash_decode_combine_kernel, BLOCK_SPLITS=fd.MAX_SPLITS, BLOCK_D=128),
+    # broken variant: group 8 with a 32-position tile (32768 products per tile) spills
+    "decode_attention, group 8, BLOCK_S=32": _job(dec._decode_attention_kernel, BLOCK_G=8, BLOCK_S=32, BLOCK_D=128,
+                                                  MASK_LENGTH=True),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_builds():
+    try:
+        builds = ki.compile_triton_many(list(AOT_CASES.values()), archs=("sm90",))
+    except ki.ToolMissingError as err:                     # no cuobjdump: the spill count cannot be read
+        pytest.skip(str(err))
+    return {label: b["sm90"] for label, b in zip(AOT_CASES, builds)}
+
+
+def test_sm90_builds_at_real_shapes_do_not_spill(sm90_builds):
+    table = ki.resource_table(list(sm90_builds.items()))
+    print(table)                                   # shown with -s; the asserts below are the check
+    for label, build in sm90_builds.items():
+        if "BLOCK_S=32" in label:
+            continue
+        assert build.spills == 0 and build.metadata["stack_bytes"] == 0, f"{label} spills\n{table}"
+    assert dec.gpu_block_s(8, 128) == 8 and dec.gpu_block_s(4, 128) == 16
+
+
+def test_sm90_spill_check_catches_an_oversized_tile(sm90_builds):
+    broken = sm90_builds["decode_attention, group 8, BLOCK_S=32"]
+    assert broken.spills > 0 and broken.metadata["stack_bytes"] > 0
+
+
+def _product_widths(build, kernel, arg):
+    """The widths of the integer products that argument ``arg`` enters in the PTX: 64 where it is read
+    sign-extended into a 64-bit register (ld.param.s32 %rd, cvt.s64.s32, mul.wide.s32), 32 where
+    its 32-bit register enters a mul.lo.s32 / mad.lo.s32."""
+    index = kernel.arg_names.index(arg)              # constexprs come last: PTX numbers the others in order
+    name = build.metadata["name"]
+    load = re.search(rf"ld\.param\.[bs]32\s+(%rd?\d+), \[{name}_param_{index}\];", build.ptx)
+    assert load, f"{arg} (param {index}) is not read in the PTX of {name}"
+    reg = load.group(1)
+    if reg.startswith("%rd"):
+        return {64}
+    widths = set()
+    if re.search(rf"(cvt\.s64\.s32\s+%rd\d+, |mul\.wide\.s32\s+%rd\d+,[^;]*[ ,]){reg}\b", build.ptx):
+        widths.add(64)
+    if re.search(rf"(mul|mad)\.lo\.s32\s+%r\d+,[^;]*[ ,]{reg}\b", build.ptx):
+        widths.add(32)
+    return widths
+
+
+def test_ptx_uses_64bit_products_for_batch_and_head_offsets(sm90_builds):
+    """b * stride_b and hk * stride_h are 64-bit in the PTX of both K/V kernels; the check tells
+    them apart from an int32 product (the per-head query stride, multiplied in int32 on purpose:
+    Hq * D is small)."""
+    for label in ("decode_attention, group 8", "split, group 8"):
+        kernel = dec._decode_attention_kernel if label.startswith("decode") else fd._flash_decode_split_kernel
+        for arg in ("stride_qb", "stride_kb", "stride_kh", "stride_vb", "stride_vh"):
+            widths = _product_widths(sm90_builds[label], kernel, arg)
+            assert widths == {64}, f"{label}: {arg} enters products of widths {widths}"
+        assert 32 in _product_widths(sm90_builds[label], kernel, "stride_qh")
