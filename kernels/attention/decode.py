@@ -216,9 +216,9 @@ def _launch(q, k_cache, v_cache, cache_seqlens, *, block_s: int, mask_length: bo
 
 # The per-tile product q[:, None, :] * k[None, :, :] holds BLOCK_G x BLOCK_S x BLOCK_D fp32 values,
 # spread over the 128 threads of 4 warps. Compiled (Triton 3.7.1) for sm_90a with BLOCK_D = 128:
-# group 4 at BLOCK_S = 16 (8192 values) needs 168 registers per thread, at BLOCK_S = 32 it hits
-# the 255 limit; group 8 at BLOCK_S = 16 (16384 values) spills (STL/LDL), at BLOCK_S = 8 it does not
-# (tests/test_decode_attention.py compiles these). So on a GPU the tile keeps that product at
+# group 4 at BLOCK_S = 16 (8192 values) needs 168 registers per thread; group 8 at BLOCK_S = 16
+# (16384 values) reaches the 255-register limit and at 32 spills to local memory (STL/LDL), at 8 it
+# needs 196 (tests/test_flash_decode.py compiles these). So on a GPU the tile keeps that product at
 # 8192 values; the interpreter, where each loop iteration costs time, takes 64 positions.
 GPU_PRODUCT_ELEMENTS = 8192
 MIN_BLOCK_S = 8
