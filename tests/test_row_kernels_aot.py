@@ -1,0 +1,179 @@
+"""The row kernels (softmax, LayerNorm, RMSNorm, add+RMSNorm) and the GLU kernels compiled ahead of
+time for sm_90a at the widths of real models, with the launch choices their launchers make
+(each module's ``aot_jobs`` asks :func:`kernels.rows.row_launch`, as the launcher does): no
+register spills, and row offsets computed in 64 bits. One compile for the whole file (about 45 s).
+
+Widths: 4096 (LLaMA-7B), 8192 (Llama 2/3 70B), 16384 (Llama 3 405B), and 65536 for the tiled path.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+
+import kernels  # noqa: F401  (before triton)
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.inspect import TritonJob, compile_triton_many, tool
+from kernels.rows import BACKWARD, FORWARD, row_launch
+
+softmax_mod = importlib.import_module("kernels.softmax.online")
+ln_mod = importlib.import_module("kernels.norm.layer_norm")
+rms_mod = importlib.import_module("kernels.norm.rms_norm")
+arn_mod = importlib.import_module("kernels.norm.add_rms_norm")
+glu_mod = importlib.import_module("kernels.mlp.gated")
+
+WIDTHS = (4096, 8192, 16384)
+ROW_MODULES = (softmax_mod, ln_mod, rms_mod, arn_mod)
+
+
+def _aot_available() -> bool:
+    try:
+        tool("cuobjdump")
+        return True
+    except Exception:  # ToolMissingError: no CUDA binutils in this environment
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _aot_available(), reason="cuobjdump (pip nvidia-cuda-cuobjdump) is missing")
+
+
+@triton.jit
+def _add_rms_norm_int32_rows_kernel(
+    x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
+    n_rows, n, stride_x, stride_r, stride_h, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The add+RMSNorm forward as it was: rows in int32, so rows * stride wraps past 2**31."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)          # BROKEN: int32
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / n + eps)
+    y = hf * rstd[:, None] * tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
+
+
+def _cases() -> list[tuple[str, TritonJob]]:
+    cases = []
+    for mod in ROW_MODULES:
+        for n in WIDTHS:
+            cases += [(f"{label} fp16", job) for label, job in mod.aot_jobs(n, torch.float16)]
+    cases += [(f"{label} bf16", job) for label, job in rms_mod.aot_jobs(8192, torch.bfloat16)]
+    cases += [(f"{label} bf16", job) for label, job in softmax_mod.aot_jobs(16384, torch.bfloat16)]
+    cases += [(f"{label} fp32", job) for n in (8192, 16384) for label, job in ln_mod.aot_jobs(n, torch.float32)]
+    cases += [(f"{label} fp16", job) for label, job in rms_mod.aot_jobs(65536, torch.float16)]
+    # The GLU kernels are elementwise over (tokens x hidden): one launch for every width.
+    cases += [(f"{label} fp16", job) for label, job in glu_mod.aot_jobs(torch.float16)]
+    return cases
+
+
+def _broken_cases() -> list[tuple[str, TritonJob]]:
+    """The old launch rule (whole row in one block, warps = BLOCK // 256 capped at 8), and the old
+    int32 add+RMSNorm forward."""
+    fwd_jobs = dict(rms_mod.aot_jobs(4096, torch.float16))
+    fwd, bwd = fwd_jobs["rms_norm fwd 4096"], fwd_jobs["rms_norm bwd 4096"]
+    old_fwd = TritonJob(fwd.kernel, fwd.signature, constexprs={**fwd.constexprs, "BLOCK_R": 1, "BLOCK_N": 32768},
+                        num_warps=8)
+    old_bwd = TritonJob(bwd.kernel, bwd.signature, constexprs={**bwd.constexprs, "BLOCK_R": 1, "BLOCK_N": 16384},
+                        num_warps=8)
+    arn = dict(arn_mod.aot_jobs(4096, torch.float16))["add_rms_norm fwd 4096"]
+    int32 = TritonJob(_add_rms_norm_int32_rows_kernel, arn.signature, constexprs=arn.constexprs,
+                      num_warps=arn.num_warps)
+    return [("old rms_norm fwd 32768, 8 warps", old_fwd), ("old rms_norm bwd 16384, 8 warps", old_bwd),
+            ("old add_rms_norm fwd, int32 rows", int32)]
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """Every case compiled in one process: {label: (job, Build)}."""
+    cases = _cases() + _broken_cases()
+    with pytest.MonkeyPatch.context() as mp:   # the compiler imports this module for the broken kernel
+        tests_dir = str(Path(__file__).resolve().parent)
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+        out = compile_triton_many([job for _, job in cases], archs=("sm90",))
+    return {label: (job, b["sm90"]) for (label, job), b in zip(cases, out)}
+
+
+def strides_widened(ttgir: str, names) -> dict[str, bool]:
+    """For each stride argument, whether every use of it in the kernel's IR is a sign extension to
+    64 bits, so that row * stride is a 64-bit product (an int32 product wraps past 2**31).
+    An argument the kernel does not use (a residual stride when there is no residual) counts as
+    widened: it takes part in no product."""
+    body = [line for line in ttgir.splitlines() if "tt.func" not in line]   # not the signature
+    result = {}
+    for name in names:
+        uses = [line for line in body if re.search(rf"%{name}\b", line)]
+        result[name] = all(re.search(rf"arith\.extsi %{name} : i32 to i64", u) for u in uses)
+    return result
+
+
+def program_id_widened(ttgir: str) -> bool:
+    """Whether each program id is sign-extended to 64 bits before any use (the GLU's flat offsets)."""
+    ids = re.findall(r"(%[\w]+) = tt\.get_program_id", ttgir)
+    uses = [line for pid in ids for line in ttgir.splitlines()
+            if re.search(rf"{pid}\b", line) and "tt.get_program_id" not in line]
+    return bool(ids) and all("arith.extsi" in u and "to i64" in u for u in uses)
+
+
+def test_launch_rule_grows_warps_and_splits_wide_rows():
+    assert [row_launch(n, torch.float16).num_warps for n in (1024, 4096, 8192, 16384)] == [2, 8, 16, 32]
+    assert row_launch(16384, torch.float16).one_block and not row_launch(16385, torch.float16).one_block
+    assert row_launch(65536, torch.float16).col_blocks == 4
+    assert [row_launch(n, torch.float16, BACKWARD).num_warps for n in (4096, 8192)] == [16, 16]
+    assert row_launch(8192, torch.float16, BACKWARD).col_blocks == 2
+    assert row_launch(300, torch.float32, n_rows=50).block_r == 8          # short rows share a program
+    assert FORWARD.max_block == 16384 and BACKWARD.max_block == 4096
+    assert row_launch(16384, torch.float32).col_blocks == 2                 # fp32: half the block
+    assert row_launch(4096, torch.float32, BACKWARD).col_blocks == 2
+
+
+def test_no_spills_at_real_widths(builds):
+    spilled = {label: (b.spills, b.metadata["stack_bytes"]) for label, (_, b) in builds.items()
+               if not label.startswith("old") and (b.spills or b.metadata["stack_bytes"])}
+    assert not spilled, f"register spills (STL+LDL, stack bytes): {spilled}"
+    assert len(builds) > 40
+
+
+def test_launches_compiled_are_the_launchers_own(builds):
+    """The warps compiled are the rule's: 32 warps for a 16384-wide forward, 16 for the backward."""
+    assert builds["rms_norm fwd 16384 fp16"][1].metadata["num_warps"] == 32
+    assert builds["rms_norm bwd 16384 dx fp16"][1].metadata["num_warps"] == 16
+    assert builds["softmax fwd 4096 fp16"][1].metadata["num_warps"] == 8
+
+
+def test_broken_old_launches_spill(builds):
+    """The check can fail: the old whole-row launch spills at 32768 (forward) and 16384 (backward)."""
+    for label in ("old rms_norm fwd 32768, 8 warps", "old rms_norm bwd 16384, 8 warps"):
+        b = builds[label][1]
+        assert b.spills > 0 and b.metadata["stack_bytes"] > 0, label
+
+
+def test_row_offsets_are_64_bit(builds):
+    for label, (job, b) in builds.items():
+        if label.startswith("old") or label.startswith("glu"):
+            continue
+        strides = [a for a in job.signature if a.startswith("stride")]
+        assert strides, label
+        widened = strides_widened(b.ttgir, strides)
+        assert all(widened.values()), f"{label}: strides used in 32 bits: {widened}"
+        assert re.search(r"arith\.muli .* : (tensor<.*xi64|i64)", b.ttgir), f"{label}: no 64-bit row offset"
+    for label, (_, b) in builds.items():
+        if label.startswith("glu"):
+            assert program_id_widened(b.ttgir), f"{label}: program id * BLOCK computed in 32 bits"
+
+
+def test_broken_int32_row_offsets_are_caught(builds):
+    job, b = builds["old add_rms_norm fwd, int32 rows"]
+    widened = strides_widened(b.ttgir, [a for a in job.signature if a.startswith("stride")])
+    assert not any(widened.values()), widened
+    assert not program_id_widened(b.ttgir)
