@@ -5,9 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import runtime
+from kernels import inspect as ki
 from kernels.model.lm_head import (
-    _ce_rows, cross_entropy, cross_entropy_ref, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
+    _ce_rows, aot_job, chunk_rows, cross_entropy, cross_entropy_ref, fused_linear_cross_entropy,
+    fused_linear_cross_entropy_ref, launch_config,
 )
+from kernels.model.lm_head_memory import TensorPeak, tensor_peak_bytes
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 DTYPES = runtime.runtime().check_dtypes
@@ -118,10 +121,10 @@ def test_broken_variant_without_max_subtraction_is_caught():
     """exp(x) without subtracting the row max overflows for logits near 100 in fp32."""
     x = _logits(8, 64, torch.float32) + 100.0
     t = _targets(8, 64)
-    loss_rows, _ = _ce_rows(x, t, -100, 0.0, 1.0, False, subtract_max=False)
+    loss_rows = _ce_rows(x, t, -100, 0.0, 1.0, subtract_max=False)
     with pytest.raises(MismatchError):
         assert_close(loss_rows, F.cross_entropy(x, t, reduction="none"), name="cross-entropy without the max")
-    good, _ = _ce_rows(x, t, -100, 0.0, 1.0, False)
+    good = _ce_rows(x, t, -100, 0.0, 1.0)
     assert_close(good, F.cross_entropy(x, t, reduction="none"))
 
 
@@ -139,6 +142,153 @@ def test_cross_entropy_bad_inputs():
         cross_entropy(x, torch.zeros(4, dtype=torch.long, device=DEVICE), reduction="avg")
     with pytest.raises(TypeError, match="logits have dtype"):
         cross_entropy(x.long(), torch.zeros(4, dtype=torch.long, device=DEVICE))
+
+
+# ---------------------------------------------------------------- where the gradient goes
+
+def test_default_leaves_the_callers_logits_untouched():
+    x = _logits(6, 300, torch.float32).requires_grad_()
+    before = x.detach().clone()
+    t = _targets(6, 300)
+    loss = cross_entropy(x, t)
+    loss.backward()
+    assert torch.equal(x.detach(), before)
+    assert_close(x.grad, (torch.softmax(before, -1) - F.one_hot(t, 300).float()) / 6)
+
+
+def test_inplace_overwrites_the_logits_with_the_gradient_and_allocates_no_second_buffer():
+    """The documented contract: with inplace=True the caller's logits become dloss/dlogits (already
+    divided by the rows not ignored), the forward creates no (N, V) tensor, and gradients flowing
+    on to the layer below are PyTorch's."""
+    N, C, V = 9, 8, 300
+    h, w = _flce_case(N, C, V, torch.float32)
+    t = _targets(N, V, ignore_every=4)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    z = h @ w.T                                          # (N, V), the logits the caller hands over
+    z_before = z.detach().clone()
+    with TensorPeak() as probe:
+        loss = cross_entropy(z, t, inplace=True)
+    assert probe.peak_bytes < N * V * 4 // 4             # the loss rows and scalars, no (N, V) buffer
+    n_valid = int((t != -100).sum())
+    dz = (torch.softmax(z_before, -1) - F.one_hot(t.clamp(min=0), V).float()) / n_valid
+    dz[t == -100] = 0
+    assert_close(z.detach(), dz, name="logits after the call")
+    loss.backward()
+    ref = _flce_grads(fused_linear_cross_entropy_ref, h, w, t)
+    assert_close(loss, ref[0])
+    assert_close(h.grad, ref[1], name="dhidden")
+    assert_close(w.grad, ref[2], name="dweight")
+
+
+def test_inplace_without_a_gradient_to_compute_leaves_the_logits():
+    x = _logits(4, 50, torch.float32)
+    before = x.clone()
+    t = _targets(4, 50)
+    cross_entropy(x, t, inplace=True)                    # x does not require grad
+    with torch.no_grad():
+        cross_entropy(x.requires_grad_(), t, inplace=True)
+    assert torch.equal(x.detach(), before)
+
+
+def test_inplace_over_logits_another_node_saved_fails_loudly():
+    """Broken use caught: exp saves its output for backward; overwriting it in place would make
+    exp's backward read the gradient as logits. The version bump turns that into an error."""
+    z = _logits(4, 30, torch.float32, scale=0.3).requires_grad_()
+    t = _targets(4, 30)
+    loss = cross_entropy(z.exp(), t, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    loss = cross_entropy(z.exp(), t)                     # the default is safe there
+    (dz,) = torch.autograd.grad(loss, z)
+    zz = z.detach().clone().requires_grad_()
+    (dref,) = torch.autograd.grad(F.cross_entropy(zz.exp(), t), zz)
+    assert_close(dz, dref)
+
+
+def test_inplace_refuses_logits_it_cannot_overwrite_and_backward_runs_once():
+    x = _logits(5, 40, torch.float32)
+    t = _targets(5, 40)
+    with pytest.raises(ValueError, match="inplace=True writes the gradient over logits"):
+        cross_entropy(x.T.contiguous().T.requires_grad_(), t, inplace=True)   # column-major rows
+    with pytest.raises(ValueError, match="stride-0"):
+        cross_entropy(x[:1].expand(5, 40).requires_grad_(), t, inplace=True)
+    xr = x.clone().requires_grad_()
+    loss = cross_entropy(xr, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+# ---------------------------------------------------------------- launch choices, compiled for sm_90a
+
+VOCABS = (32_000, 128_256, 151_936)   # Mistral 7B / Llama 2, Llama 3, Qwen2 (padded)
+
+
+def _row_offset_multiplies(ptx: str, param: int) -> list[str]:
+    """The PTX multiply opcodes that take the value of kernel parameter ``param`` (a row stride),
+    directly or after a conversion (``cvt.s64.s32``)."""
+    import re
+    regs = set(re.findall(rf"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_{param}\]", ptx))
+    ops = []
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(mul|cvt)(\.[\w.]+)\s+(%\w+),\s*(%\w+)(?:,\s*(%\w+))?;", line)
+        if m and regs & {m.group(4), m.group(5)}:
+            if m.group(1) == "cvt":
+                regs.add(m.group(3))
+            else:
+                ops.append(m.group(1) + m.group(2))
+    return ops
+
+
+@pytest.fixture(scope="module")
+def ce_builds():
+    """One compile (one process) for every case: the launcher's choices at three real vocabularies
+    (in fp32 and bf16; equal choices compile once), the former launch, a spilling launch, and the
+    int32 row-offset variant."""
+    cases = {f"{dt} V={V}": aot_job(V, dt) for V in VOCABS for dt in ("fp32", "bf16")}
+    cases["old: 4096, 4 warps"] = aot_job(128_256, block_v=4096, num_warps=4)
+    cases["broken: 8192, 4 warps"] = aot_job(128_256, block_v=8192, num_warps=4)
+    cases["broken: int32 rows"] = aot_job(128_256, int64_rows=False)
+    unique = {}
+    for job in cases.values():
+        unique.setdefault(repr(job.spec()), job)
+    builds = dict(zip(unique, (b["sm90"] for b in ki.compile_triton_many(list(unique.values())))))
+    return {label: builds[repr(job.spec())] for label, job in cases.items()}
+
+
+def test_launch_config_is_a_small_block_with_enough_warps():
+    assert [launch_config(V) for V in (1, 300, 2048, *VOCABS)] == [(1, 1), (512, 2), (2048, 8)] + [(2048, 8)] * 3
+
+
+@pytest.mark.parametrize("V", VOCABS)
+def test_launch_at_real_vocabularies_does_not_spill_on_sm90a(ce_builds, V):
+    for dt in ("fp32", "bf16"):
+        b = ce_builds[f"{dt} V={V}"]
+        assert b.metadata["num_warps"] == launch_config(V)[1]
+        assert b.spills == 0 and b.metadata["stack_bytes"] == 0, ki.resource_table([(dt, b)])
+        assert b.metadata["registers"] <= 64
+
+
+def test_spill_check_catches_a_spilling_launch(ce_builds):
+    """The former launch sits at the 255-register limit without spilling; one block wider spills,
+    and the same assertion as above fails on it."""
+    old, broken = ce_builds["old: 4096, 4 warps"], ce_builds["broken: 8192, 4 warps"]
+    assert old.metadata["registers"] == 255 and old.spills == 0
+    with pytest.raises(AssertionError):
+        assert broken.spills == 0 and broken.metadata["stack_bytes"] == 0
+    assert broken.spills > 100 and broken.metadata["stack_bytes"] > 0
+
+
+def test_row_offsets_are_64_bit_in_the_ptx(ce_builds):
+    """N x V passes 2**31 at N = 16744 rows of V = 128256, so row * stride must be a 64-bit product.
+    Proved on the compiled code, without allocating such a tensor: every multiply by a row stride
+    (parameters 5 and 6, stride_xn and stride_gn) is 64-bit; the int32 variant's is not."""
+    assert 16744 * 128_256 > 2**31 > 16743 * 128_256
+    for param in (5, 6):
+        ops = _row_offset_multiplies(ce_builds["fp32 V=128256"].ptx, param)
+        assert ops and all(op in ("mul.lo.s64", "mul.wide.s32") for op in ops), ops
+    broken = _row_offset_multiplies(ce_builds["broken: int32 rows"].ptx, 5)
+    assert "mul.lo.s32" in broken, broken
 
 
 # ---------------------------------------------------------------- fused linear cross-entropy
@@ -197,21 +347,41 @@ def test_fused_linear_bad_inputs():
         loss.sum().backward()
 
 
-def test_tensor_peak_of_the_unfused_and_chunked_loss():
-    """Tensors alive at the peak: about three (N, V) fp32 tensors unfused (logits, saved log-softmax,
-    gradient), and for the chunked loss two (chunk, V) slices plus the (V, C) and (N, C) gradients."""
-    from kernels.model.lm_head_memory import TensorPeak, tensor_peak_bytes
+def test_chunk_rows_keeps_a_chunks_logits_within_the_hidden_states():
+    N, C, V = 65_536, 4096, 128_256                       # Llama 3 8B, 8 x 8192 tokens
+    n = chunk_rows(N, C, V)
+    assert n == 2048 and n * V <= N * C < (n + 128) * V
+    assert chunk_rows(65_536, 3584, 152_064) == 1536      # Qwen2.5 7B
+    assert chunk_rows(37, 24, 300) == 37 and chunk_rows(1000, 16, 100_000) == 128   # at least min(N, 128)
+    assert chunk_rows(0, 8, 10) == 1
+
+
+def test_tensor_peak_of_the_losses():
+    """Tensors alive at the peak, in (N, V) fp32 tensors L: PyTorch's loss about 3 (log-softmax saved,
+    nll's dense gradient, the log-softmax gradient); the kernel with its own buffer 2 (logits and
+    gradient); in place 1; chunked, one (chunk, V) buffer plus the (V, C) and (N, C) gradients, which
+    autograd adopts as .grad without a copy."""
     N, C, V, chunk = 128, 16, 512, 16
-    res = tensor_peak_bytes(N, C, V, chunk)
-    unfused, fused = res["unfused"]["peak_bytes"], res["fused"]["peak_bytes"]
-    assert abs(res["unfused"]["loss"] - res["fused"]["loss"]) < 1e-5
-    assert 2.9 * N * V * 4 < unfused < 3.5 * N * V * 4, res
-    analytic = 2 * chunk * V * 4 + 2 * V * C * 4 + 2 * N * C * 4
-    assert 0.8 * analytic < fused < 2 * analytic, (res, analytic)
+    res = tensor_peak_bytes(N, C, V, chunk, kinds=("unfused", "kernel", "kernel_inplace", "fused"))
+    L = N * V * 4
+    peak = {k: r["peak_bytes"] for k, r in res.items()}
+    for r in res.values():
+        assert abs(r["loss"] - res["unfused"]["loss"]) < 1e-5
+    grads = V * C * 4 + N * C * 4                         # dW (V, C) and dH (N, C), fp32
+    rows = 2048                                           # the loss rows, targets' masks, scalars
+    assert 3 * L <= peak["unfused"] < 3 * L + rows, peak
+    assert 2 * L <= peak["kernel"] < 2 * L + rows, peak
+    assert L + grads <= peak["kernel_inplace"] < L + grads + rows, peak
+    assert chunk * V * 4 + grads <= peak["fused"] < chunk * V * 4 + grads + rows, peak
     # the probe sees a tensor as long as a view of it lives, not only its first Python object
     with TensorPeak() as probe:
         view = torch.empty(1000)[::2]
     assert probe.peak_bytes == 4000 and view.numel() == 500
+    # and a view of a tensor made before the block is not new memory
+    before = torch.empty(1000)
+    with TensorPeak() as probe:
+        view = before[::2] * 1                            # the view is free; the product is 500 floats
+    assert probe.peak_bytes == 2000
 
 
 @pytest.mark.skipif(runtime.runtime().on_gpu, reason="a CPU measurement: resident memory of CPU tensors")

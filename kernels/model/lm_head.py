@@ -11,12 +11,18 @@ the rows that are not ignored (PyTorch's convention; all rows ignored gives NaN,
 
 :func:`cross_entropy` computes the loss and the gradient in the same kernel, in two sweeps over
 each row (one for the max, the sum of exponentials, the target logit and the row sum; one that
-writes the gradient), while the row is hot, so backward only has to scale the stored gradient by
-the incoming gradient. :func:`fused_linear_cross_entropy` goes one step further for the LM head:
-it takes the hidden states and the (tied) embedding matrix, makes the logits a chunk of tokens at
-a time, runs the same kernel on the chunk, and folds the chunk's gradient into the gradients of
-the hidden states and the weight at once, so the (N, V) logits never exist in memory, only a
-(chunk, V) slice of them.
+writes the gradient), so backward only has to scale the stored gradient by the incoming gradient.
+The gradient goes into a buffer the function owns, or, with ``inplace=True``, over the logits
+themselves (their contract is in :func:`cross_entropy`). :func:`fused_linear_cross_entropy` goes one
+step further for the LM head: it takes the hidden states and the (tied) embedding matrix, makes the
+logits a chunk of tokens at a time (:func:`chunk_rows`), lets the kernel overwrite each chunk's
+logits with their gradient, and folds that into the gradients of the hidden states and the weight
+at once, so the (N, V) logits never exist in memory, only one (chunk, V) buffer.
+
+Launch choices (block, warps) come from :func:`launch_config`. The in-place gradient and the
+chunk-size rule follow Liger-Kernel (linkedin/Liger-Kernel, src/liger_kernel/ops/cross_entropy.py at
+02e90db949eede7ad915a14893935de34efc2b4b and fused_linear_cross_entropy.py at
+00eba634c2e9b5f05badbfb67e9b0a4caba301a2); the code here is written independently.
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import runtime
+from torch.autograd.function import once_differentiable
+
+from kernels import rows, runtime
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("mean", "sum", "none")
@@ -52,13 +60,16 @@ def cross_entropy_ref(logits: torch.Tensor, target: torch.Tensor, ignore_index: 
 
 @triton.jit
 def _cross_entropy_kernel(
-    x_ptr, t_ptr, loss_ptr, grad_ptr,
-    V, stride_xn, stride_xv, stride_gn, stride_gv,
+    x_ptr, t_ptr, loss_ptr, grad_ptr,   # logits (N, V), targets (N,), row losses (N,), gradient (N, V): may be x_ptr
+    V, stride_xn, stride_gn,            # row strides in elements; within a row the vocabulary is contiguous
     ignore_index, smoothing, grad_scale,
-    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, SUBTRACT_MAX: tl.constexpr,
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, SUBTRACT_MAX: tl.constexpr, INT64_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * stride_xn
+    # row * stride passes 2**31 once N * V does (V = 128256: from row 16744 on), so it is formed in int64.
+    # INT64_ROWS=False is the broken variant a test compiles to show the 32-bit product in the PTX.
+    r = row.to(tl.int64) if INT64_ROWS else row
+    x_row = x_ptr + r * stride_xn
     t = tl.load(t_ptr + row)
     is_valid = t != ignore_index
     cols = tl.arange(0, BLOCK_V)
@@ -71,7 +82,7 @@ def _cross_entropy_kernel(
     for v0 in range(0, V, BLOCK_V):
         v = v0 + cols
         ok = v < V
-        x = tl.load(x_row + v * stride_xv, mask=ok, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_row + v, mask=ok, other=float("-inf")).to(tl.float32)
         if SUBTRACT_MAX:
             m_new = tl.maximum(m, x)
             # lanes that have seen only -inf keep s = 0 (avoid -inf - -inf = NaN)
@@ -92,16 +103,18 @@ def _cross_entropy_kernel(
     tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
 
     # Sweep 2: gradient (softmax - (1 - eps) onehot - eps / V) * grad_scale, zero for ignored rows.
+    # In place (grad_ptr == x_ptr) each element is read and then overwritten by the same program, and
+    # the target's logit was kept from sweep 1, so no logit is read after it has been overwritten.
     if WRITE_GRAD:
-        g_row = grad_ptr + row.to(tl.int64) * stride_gn
+        g_row = grad_ptr + r * stride_gn
         scale = tl.where(is_valid, grad_scale, 0.0)
         for v0 in range(0, V, BLOCK_V):
             v = v0 + cols
             ok = v < V
-            x = tl.load(x_row + v * stride_xv, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_row + v, mask=ok, other=0.0).to(tl.float32)
             p = tl.exp(x - lse)
             g = p - tl.where(v == t, 1.0 - smoothing, 0.0) - smoothing / V
-            tl.store(g_row + v * stride_gv, (g * scale).to(grad_ptr.dtype.element_ty), mask=ok)
+            tl.store(g_row + v, (g * scale).to(grad_ptr.dtype.element_ty), mask=ok)
 
 
 def _check_ce_inputs(name, logits, target, ignore_index, label_smoothing, reduction) -> None:
@@ -138,24 +151,56 @@ def _check_options(name, label_smoothing, reduction) -> None:
         raise ValueError(f"{name}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def _block_v(V: int) -> int:
-    return min(triton.next_power_of_2(V), 4096)
+# Per-thread budget of the cross-entropy kernel (kernels.rows.RowBudget): it keeps four per-lane fp32
+# accumulators (max, sum of exponentials, sum of logits, target logit), each holding
+# BLOCK_V / (32 * num_warps) values per thread, plus one block of logits. Measured on sm_90a
+# (tests/test_loss.py compiles them): 8 values a thread, 2048 logits with 8 warps, need 48
+# registers; the former launch, 4096 logits with the default 4 warps (32 a thread), needs 255, the
+# hardware's limit, and 8192 with 4 warps spills. A vocabulary wider than the block is walked in
+# blocks (the kernel's loops), so the block does not grow with V.
+CE_BUDGET = rows.RowBudget(per_thread=8, max_block=2048)
+
+
+def launch_config(V: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for the cross-entropy kernel on a vocabulary of V; the launcher and the
+    AOT spill test both call this, so the test compiles what runs."""
+    block = min(triton.next_power_of_2(V), CE_BUDGET.max_block)
+    return block, rows.warps_for(block, CE_BUDGET)
+
+
+def aot_job(V: int, dtype: str = "fp32", *, block_v: int | None = None, num_warps: int | None = None,
+            int64_rows: bool = True):
+    """The kernel as :func:`_ce_rows` launches it on a vocabulary of V with ``dtype`` logits
+    ("fp32", "bf16", "fp16"), as a :class:`kernels.inspect.TritonJob` for ahead-of-time compiling;
+    ``block_v``, ``num_warps`` and ``int64_rows`` override the launcher's choices (broken variants)."""
+    from kernels.inspect import TritonJob
+
+    block, warps = launch_config(V)
+    signature = {"x_ptr": f"*{dtype}", "t_ptr": "*i64", "loss_ptr": "*fp32", "grad_ptr": f"*{dtype}", "V": "i32",
+                 "stride_xn": "i32", "stride_gn": "i32", "ignore_index": "i32", "smoothing": "fp32",
+                 "grad_scale": "fp32"}
+    constexprs = {"BLOCK_V": block_v or block, "WRITE_GRAD": True, "SUBTRACT_MAX": True, "INT64_ROWS": int64_rows}
+    return TritonJob(_cross_entropy_kernel, signature, constexprs=constexprs, num_warps=num_warps or warps)
 
 
 def _ce_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float, grad_scale: float,
-             write_grad: bool, *, subtract_max: bool = True, block_v: int | None = None):
-    """Launch the kernel on 2-D logits x (N, V); returns per-row losses (N,) fp32 and the gradient (N, V)."""
+             grad: torch.Tensor | None = None, *, subtract_max: bool = True) -> torch.Tensor:
+    """Launch the kernel on logits x (N, V) with contiguous rows; returns the row losses (N,) fp32.
+
+    With ``grad`` (N, V, contiguous rows) the kernel also writes dloss/dx * grad_scale there;
+    ``grad`` may be ``x`` itself, and then the gradient replaces the logits."""
     N, V = x.shape
     loss = torch.empty(N, dtype=torch.float32, device=x.device)
-    grad = torch.empty_like(x) if write_grad else loss  # the pointer is unused without WRITE_GRAD
+    block_v, warps = launch_config(V)
     if N:
         _cross_entropy_kernel[(N,)](
-            x, t, loss, grad,
-            V, x.stride(0), x.stride(1), grad.stride(0) if write_grad else 0, grad.stride(1) if write_grad else 0,
+            x, t, loss, loss if grad is None else grad,     # the grad pointer is unused without WRITE_GRAD
+            V, x.stride(0), 0 if grad is None else grad.stride(0),
             ignore_index, float(smoothing), float(grad_scale),
-            BLOCK_V=block_v or _block_v(V), WRITE_GRAD=write_grad, SUBTRACT_MAX=subtract_max,
+            BLOCK_V=block_v, WRITE_GRAD=grad is not None, SUBTRACT_MAX=subtract_max, INT64_ROWS=True,
+            num_warps=warps,
         )
-    return loss, (grad if write_grad else None)
+    return loss
 
 
 def _reduce(loss_rows: torch.Tensor, n_valid: int, reduction: str, shape) -> torch.Tensor:
@@ -165,40 +210,100 @@ def _reduce(loss_rows: torch.Tensor, n_valid: int, reduction: str, shape) -> tor
     return total if reduction == "sum" else total / n_valid  # n_valid = 0: 0/0 = NaN, like PyTorch
 
 
+def _grad_scale(t: torch.Tensor, ignore_index: int, reduction: str) -> tuple[int, float]:
+    """(rows not ignored, the factor the gradient is born with): 1/n_valid for a mean, else 1."""
+    n_valid = int((t != ignore_index).sum())
+    return n_valid, (1.0 / n_valid if (reduction == "mean" and n_valid) else 1.0)
+
+
+def _pop_grads(ctx, name: str) -> tuple[torch.Tensor, ...]:
+    """The gradients the forward stored on ``ctx``, handed over once. They are kept as attributes
+    rather than through ``save_for_backward`` so that dropping them here leaves autograd the only
+    reference (it then adopts them as ``.grad`` instead of copying); and since backward scales them
+    in place, a second backward through the same graph (``retain_graph=True``) must not reuse them."""
+    grads = getattr(ctx, "grads", None)
+    if grads is None:
+        raise RuntimeError(f"{name}: backward ran twice through one graph (retain_graph=True); the gradient "
+                           "buffers were handed to autograd by the first backward: recompute the loss")
+    ctx.grads = None
+    return grads
+
+
+def _scale_(grad: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """grad *= grad_out in place, skipped when grad_out is exactly 1 (the loss is the last node):
+    that saves a read and a write of the whole buffer."""
+    if grad_out.numel() != 1 or float(grad_out) != 1.0:
+        grad.mul_(grad_out.to(grad.dtype))
+    return grad
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
-        V = logits.shape[-1]
-        x = logits.reshape(-1, V)
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, inplace, need_grad):
+        x = rows.as_rows(logits)                       # (N, V) rows; a view of logits when inplace
         t = target.reshape(-1)
-        n_valid = int((t != ignore_index).sum())
-        # The gradient of a mean is 1/n_valid per row; of a sum or per-row loss, 1 (scaled in backward).
-        grad_scale = 1.0 / n_valid if (reduction == "mean" and n_valid) else 1.0
-        loss_rows, grad = _ce_rows(x, t, ignore_index, label_smoothing, grad_scale, logits.requires_grad)
+        n_valid, grad_scale = _grad_scale(t, ignore_index, reduction)
+        grad = None
+        if need_grad:
+            grad = x if inplace else torch.empty_like(x)    # the only (N, V) tensor the forward may allocate
+        loss_rows = _ce_rows(x, t, ignore_index, label_smoothing, grad_scale, grad)
+        if grad is x:
+            # The logits now hold the gradient. Bumping their version makes any other node that saved
+            # them for its backward fail loudly there, instead of reading the gradient as logits.
+            torch.autograd.graph.increment_version(logits)
         ctx.reduction = reduction
         ctx.logits_shape = logits.shape
-        ctx.save_for_backward(grad if grad is not None else logits.new_empty(0))
+        ctx.grads = (grad,)
         return _reduce(loss_rows, n_valid, reduction, target.shape).to(torch.float32)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
+        (grad,) = _pop_grads(ctx, "cross_entropy")
         if ctx.reduction == "none":
-            g = grad * grad_out.reshape(-1, 1).to(grad.dtype)   # each row by its own incoming gradient
+            grad.mul_(grad_out.reshape(-1, 1).to(grad.dtype))   # each row by its own incoming gradient
         else:
-            g = grad * grad_out.to(grad.dtype)                  # one scalar for the whole tensor
-        return g.reshape(ctx.logits_shape), None, None, None, None
+            _scale_(grad, grad_out)                              # one scalar for the whole tensor
+        return grad.reshape(ctx.logits_shape), None, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+                  label_smoothing: float = 0.0, reduction: str = "mean", *, inplace: bool = False) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy`` for class-index targets, with one fused Triton kernel.
 
-    logits (..., V) in fp16/bf16/fp32 with any strides; target (...) int64/int32. The loss is fp32;
-    the gradient has the logits' dtype. Differentiable in logits.
+    logits (..., V) in fp16/bf16/fp32; target (...) int64/int32. The loss is fp32; the gradient has
+    the logits' dtype. Differentiable in logits; the kernel writes the gradient during the forward.
+
+    Where the gradient goes (only when one is needed: logits require grad and grad mode is on):
+
+    - ``inplace=False`` (default, PyTorch's semantics): into a new (N, V) buffer that this function
+      owns; ``logits`` is never modified.
+    - ``inplace=True``: over ``logits`` itself, as Liger-Kernel does, so the forward allocates no
+      (N, V) tensor. The caller gives up the logits: after the call their storage holds
+      dloss/dlogits (for a mean, already divided by the number of rows not ignored), and backward
+      scales it in place and returns it. Their version counter is bumped, so an autograd node that
+      saved the logits (``z.exp()`` saves its output) raises in backward rather than reading the
+      gradient; a read by the caller cannot be detected and is the caller's error. Rows must be
+      contiguous (``logits.stride(-1) == 1`` and a (N, V) view must exist).
+
+    Backward scales the gradient buffer in place, so it runs once per forward: ``retain_graph=True``
+    and a second backward raise.
     """
     _check_ce_inputs("cross_entropy", logits, target, ignore_index, label_smoothing, reduction)
-    return _CrossEntropy.apply(logits, target, int(ignore_index), float(label_smoothing), reduction)
+    if inplace:
+        _check_inplace_logits(logits)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad   # (inside forward, grad mode is off)
+    return _CrossEntropy.apply(logits, target, int(ignore_index), float(label_smoothing), reduction, bool(inplace),
+                               need_grad)
+
+
+def _check_inplace_logits(logits: torch.Tensor) -> None:
+    if any(st == 0 and n > 1 for st, n in zip(logits.stride(), logits.shape)):
+        raise ValueError("cross_entropy: inplace=True needs logits without broadcast (stride-0) dimensions")
+    if logits.numel() and rows.as_rows(logits).data_ptr() != logits.data_ptr():   # as_rows had to copy
+        raise ValueError(f"cross_entropy: inplace=True writes the gradient over logits, which needs rows with unit "
+                         f"stride viewable as (N, {logits.shape[-1]}); got strides {tuple(logits.stride())}: pass "
+                         "logits.contiguous() or inplace=False")
 
 
 # ---------------------------------------------------------------- the LM head fused with the loss
@@ -213,57 +318,79 @@ def fused_linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, t
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
+def chunk_rows(N: int, C: int, V: int) -> int:
+    """Tokens per chunk of the fused LM-head loss: the most, in steps of 128 (a GEMM tile's height),
+    whose logits (n, V) hold no more elements than the hidden states (N, C); at least min(N, 128).
+
+    The rule of Liger-Kernel's fused linear cross-entropy (a chunk's logits about the size of the
+    hidden states), rounded down instead of up to a power of two, so the budget is a bound: the loss
+    never needs more transient memory than one more copy of the layer's input. Llama 3 8B (C = 4096,
+    V = 128256) at N = 65536: n = 2048, a 0.53 GB bf16 chunk beside 0.54 GB of hidden states."""
+    n = (N * C // V) // 128 * 128
+    return max(1, min(N, max(n, 128)))
+
+
+def _accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b without an fp32 copy of the (V, n) operand a: the product is made in the inputs'
+    dtype (fp32 accumulation inside the matmul) and summed over chunks in acc's fp32."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += a @ b
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index, label_smoothing, reduction, chunk_size):
+    def forward(ctx, hidden, weight, target, ignore_index, label_smoothing, reduction, chunk_size, need_grad):
         C = hidden.shape[-1]
         h = hidden.reshape(-1, C)                                  # (N, C)
         t = target.reshape(-1)
-        N = h.shape[0]
-        n_valid = int((t != ignore_index).sum())
-        grad_scale = 1.0 / n_valid if (reduction == "mean" and n_valid) else 1.0
-        need_grad = hidden.requires_grad or weight.requires_grad
+        N, V = h.shape[0], weight.shape[0]
+        n_valid, grad_scale = _grad_scale(t, ignore_index, reduction)
+        n = chunk_size or chunk_rows(N, C, V)
         loss_rows = torch.empty(N, dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_grad else None
+        grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
-        for i in range(0, N, chunk_size):
-            h_c = h[i: i + chunk_size]                             # (n, C)
-            logits_c = h_c @ weight.T                              # (n, V): the only logits alive
-            loss_c, g_c = _ce_rows(logits_c, t[i: i + chunk_size], ignore_index, label_smoothing,
-                                   grad_scale, need_grad)
-            loss_rows[i: i + chunk_size] = loss_c
+        logits = torch.empty(min(n, N), V, dtype=h.dtype, device=h.device)   # (n, V): the only logits alive
+        for i in range(0, N, n):
+            h_c, z_c = h[i: i + n], logits[: min(n, N - i)]
+            torch.mm(h_c, weight.T, out=z_c)                       # Z_c = H_c W^T              (n, V)
+            # the kernel overwrites Z_c with G_c = dL/dZ_c: the chunk's logits are dead after it
+            loss_rows[i: i + n] = _ce_rows(z_c, t[i: i + n], ignore_index, label_smoothing, grad_scale,
+                                           z_c if need_grad else None)
             if need_grad:
-                grad_h[i: i + chunk_size] = g_c @ weight           # dL/dh = dL/dlogits W      (n, C)
-                grad_w += g_c.T.float() @ h_c.float()              # dL/dW += dL/dlogits^T h   (V, C)
-            del logits_c, g_c
+                torch.mm(z_c, weight, out=grad_h[i: i + n])        # dL/dH_c = G_c W            (n, C)
+                _accumulate_(grad_w, z_c.T, h_c)                   # dL/dW  += G_c^T H_c        (V, C)
+        del logits
         ctx.reduction = reduction
         ctx.shapes = (hidden.shape, weight.dtype)
-        if need_grad:
-            ctx.save_for_backward(grad_h, grad_w)
+        ctx.grads = (grad_h, grad_w)
         return _reduce(loss_rows, n_valid, reduction, target.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
         hidden_shape, w_dtype = ctx.shapes
         if ctx.reduction == "none":
             # Per-row incoming gradients do not factor out of grad_w; this case is for inspection only.
             raise RuntimeError("fused_linear_cross_entropy: backward with reduction='none' is not supported; "
                                "use 'mean' or 'sum'")
-        gh = (grad_h * grad_out.to(grad_h.dtype)).reshape(hidden_shape)
-        gw = (grad_w * grad_out).to(w_dtype)
-        return gh, gw, None, None, None, None, None
+        grad_h, grad_w = _pop_grads(ctx, "fused_linear_cross_entropy")
+        return (_scale_(grad_h, grad_out).reshape(hidden_shape), _scale_(grad_w, grad_out).to(w_dtype),
+                None, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                ignore_index: int = -100, label_smoothing: float = 0.0,
-                               reduction: str = "mean", chunk_size: int = 1024) -> torch.Tensor:
+                               reduction: str = "mean", chunk_size: int | None = None) -> torch.Tensor:
     """cross_entropy(hidden @ weight^T, target) without ever holding all the logits.
 
     hidden (..., C), weight (V, C) (the LM head, or the tied embedding), target (...). Logits are made
-    ``chunk_size`` tokens at a time; each chunk's loss and gradient come from :func:`cross_entropy`'s
-    kernel and are folded into dL/dhidden and dL/dweight during the forward pass, so the peak extra
-    memory is about chunk_size x V logits plus their gradient, instead of N x V of each.
+    ``chunk_size`` tokens at a time (default :func:`chunk_rows`) into one (chunk, V) buffer; the
+    kernel overwrites each chunk's logits with their gradient, which is folded into dL/dhidden and
+    dL/dweight (fp32) during the forward pass. Peak extra memory: one chunk of logits, dL/dweight in
+    fp32 and dL/dhidden, instead of several (N, V) tensors. Backward scales the two gradients in place
+    and runs once per forward.
     """
     name = "fused_linear_cross_entropy"
     if not all(isinstance(a, torch.Tensor) for a in (hidden, weight, target)):
@@ -281,9 +408,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     if target.shape != hidden.shape[:-1]:
         raise ValueError(f"{name}: target shape {tuple(target.shape)} must equal hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
-    if int(chunk_size) < 1:
-        raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"{name}: chunk_size must be >= 1 (or None for chunk_rows), got {chunk_size}")
     _check_target(name, target, weight.shape[0], ignore_index, hidden.device)
     _check_options(name, label_smoothing, reduction)
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearCrossEntropy.apply(hidden, weight, target, int(ignore_index), float(label_smoothing),
-                                          reduction, int(chunk_size))
+                                          reduction, None if chunk_size is None else int(chunk_size), need_grad)

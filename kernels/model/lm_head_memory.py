@@ -27,11 +27,22 @@ import subprocess
 import sys
 
 
+def _storages(args, kwargs) -> set[int]:
+    """Addresses of the storages of every tensor among an operation's arguments."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {}))
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"}
+
+
 class TensorPeak:
     """Peak bytes of PyTorch tensor storage created inside a ``with`` block, forward and backward.
 
-    A dispatch mode sees the output of every PyTorch operation (autograd's backward included); each
-    new storage is tracked through a weak reference to the C++ storage, so it counts for as long as
+    A dispatch mode sees the output of every PyTorch operation (autograd's backward included). An
+    output whose storage is one of the operation's inputs' (a view, an in-place result) is not new
+    memory, so tensors that existed before the block are never counted, even through their views;
+    each new storage is tracked through a weak reference to the C++ storage, so it counts for as long as
     anything (a view, a tensor saved for backward, a gradient) keeps it alive, not just the Python
     object that first held it. After every operation the live total is compared with the peak.
     Memory that is not a PyTorch tensor (the Triton interpreter's NumPy temporaries, one block of a
@@ -47,17 +58,20 @@ class TensorPeak:
 
         probe = self
         self.peak_bytes = 0
+        self.timeline: list[int] = []     # live bytes after each operation, in order
         self._live: dict[int, tuple[object, int]] = {}
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                probe._observe(out)
+                probe._observe(out, _storages(args, kwargs))
                 return out
 
         self._mode = _Mode()
 
-    def _observe(self, out) -> None:
+    def _observe(self, out, inputs: set[int]) -> None:
+        import gc
+
         import torch
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -69,46 +83,83 @@ class TensorPeak:
             elif isinstance(item, torch.Tensor) and item.layout == torch.strided and item.device.type != "meta":
                 storage = item.untyped_storage()
                 key = storage.data_ptr()
+                if key in inputs:   # a view or an in-place result: memory the block made earlier, or an input's
+                    continue
                 # an address may be reused (allocators do): a dead entry there is a new storage
                 if key and (key not in self._live or self._live[key][0].expired()):
                     self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        # Alive means reachable: storage held only by garbage cycles does not count. Triton's interpreter
+        # leaves one per launch (a closure that refers to itself keeps the arguments' storages until the
+        # cycle collector runs); collecting frees them as a GPU launch would. The objects that existed
+        # before the block are frozen (``__enter__``), so this scans only the block's own objects.
+        gc.collect()
         self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
-        self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._live.values()))
+        self.timeline.append(sum(n for _, n in self._live.values()))
+        self.peak_bytes = max(self.peak_bytes, self.timeline[-1])
 
     def __enter__(self):
+        import gc
+
+        gc.collect()
+        gc.freeze()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
+        import gc
+
+        try:
+            return self._mode.__exit__(*exc)
+        finally:
+            gc.unfreeze()
 
 
-def tensor_peak_bytes(N: int, C: int, V: int, chunk: int = 32) -> dict[str, dict]:
-    """Peak bytes of the tensors the unfused and the chunked loss create (forward + backward), in this
-    process, with :class:`TensorPeak`; inputs and their existing storage are not counted. The tensors
+KINDS = {
+    "unfused": "logits = H W^T, then PyTorch's cross-entropy",
+    "kernel": "logits = H W^T, then cross_entropy (gradient in its own buffer)",
+    "kernel_inplace": "logits = H W^T, then cross_entropy(inplace=True) (gradient over the logits)",
+    "fused": "fused_linear_cross_entropy (chunks of logits, gradient over each chunk)",
+}
+
+
+def _loss(kind: str, h, w, t, chunk):
+    from kernels.model.lm_head import cross_entropy, fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+
+    if kind == "fused":
+        return fused_linear_cross_entropy(h, w, t, chunk_size=chunk)
+    if kind == "unfused":
+        return fused_linear_cross_entropy_ref(h, w, t)
+    return cross_entropy(h @ w.T, t, inplace=kind == "kernel_inplace")
+
+
+def tensor_peak_bytes(N: int, C: int, V: int, chunk: int | None = None,
+                      kinds=("unfused", "fused")) -> dict[str, dict]:
+    """Peak bytes of the tensors each loss (see :data:`KINDS`) creates over one forward and backward,
+    in this process, with :class:`TensorPeak`; the inputs H (N, C), W (V, C) and their storage are not
+    counted. Per kind: its loss, ``peak_bytes`` and ``timeline`` (live bytes after each operation).
+    ``chunk`` None lets the fused loss choose (:func:`kernels.model.lm_head.chunk_rows`). The tensors
     live on the kernels' device (``kernels.runtime.device()``); the inputs are drawn on the CPU, so
     they are the same numbers everywhere."""
     import kernels  # noqa: F401  (before triton)
     import torch
 
     from kernels import runtime
-    from kernels.model.lm_head import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"tensor_peak_bytes: kind must be one of {sorted(KINDS)}, got {kind!r}")
     dev = runtime.device()
     g = torch.Generator().manual_seed(0)
     h0 = torch.randn(N, C, generator=g).to(dev)
     w0 = (torch.randn(V, C, generator=g) / C ** 0.5).to(dev)
     t = torch.randint(0, V, (N,), generator=g).to(dev)
     out = {}
-    for kind in ("unfused", "fused"):
+    for kind in kinds:
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         with TensorPeak() as probe:
-            if kind == "fused":
-                loss = fused_linear_cross_entropy(h, w, t, chunk_size=chunk)
-            else:
-                loss = fused_linear_cross_entropy_ref(h, w, t)
+            loss = _loss(kind, h, w, t, chunk)
             loss.backward()
-        out[kind] = {"kind": kind, "loss": loss.item(), "peak_bytes": probe.peak_bytes}
+        out[kind] = {"kind": kind, "loss": loss.item(), "peak_bytes": probe.peak_bytes, "timeline": probe.timeline}
     return out
 
 
