@@ -22,6 +22,13 @@ is a plain sum. It is exact as long as no score exceeds phi by more than the exp
 allows; a split that sees a score outside [phi + LOW, phi + HIGH] raises a flag and its whole
 sequence is recomputed with the safe method (:func:`flash_decode_unified_max`).
 
+Grid: the split kernel runs B x Hkv x num_splits programs (:func:`split_grid`), each packing the
+Hq / Hkv query heads of a K/V group so that every K/V tile it loads serves the whole group (the
+chunk loop is :mod:`kernels.attention.decode`'s own). :func:`choose_num_splits`, a pure function of
+(B, Hkv, cache length, SM count), picks enough splits for about 4 programs per SM at batch 1: for
+Llama-3-8B's 8 K/V heads on an H100's 132 SMs and a 32k cache, 64 splits and 512 programs where
+decode_attention launches 8. ``flash_decode(..., num_splits=None)`` asks it with this device's SM count.
+
 Shapes: q (B, Hq, D); k_cache, v_cache (B, Hkv, S_max, D); cache_seqlens (B,) integers in
 [0, S_max]; output (B, Hq, D) in q's dtype, zeros for an empty cache (as decode_attention).
 """
@@ -332,7 +339,8 @@ def flash_decode_unified_max(q, k_cache, v_cache, cache_seqlens, num_splits: int
 # * MIN_CHUNK: each split writes, and the combine reads back, group * (D + 2) fp32 values per K/V
 #   head, about 8 * group * D bytes, against the 4 * chunk * D bytes of fp16 K and V it reads: a
 #   fraction 2 * group / chunk. A chunk of at least 256 positions keeps that below 1/16 for groups
-#   up to 8 (vLLM's paged attention v2 uses 512-token partitions).
+#   up to 8 (vLLM's paged attention v2 uses 512-token partitions: vllm-project/vllm@cc17020a,
+#   csrc/attention/paged_attention_v2.cu, PARTITION_SIZE).
 # * MAX_SPLITS: the combine holds a (next_pow2(s), next_pow2(D)) fp32 tile per program; 64 splits at
 #   D = 128 compile without spills (tests/test_flash_decode.py).
 # For comparison, FlashAttention-2's heuristic (Dao-AILab/flash-attention@765fbd92, csrc/flash_attn/
