@@ -58,6 +58,18 @@ def test_matches_decode_attention_reference(B, Hq, Hkv, S, D, lens, num_splits, 
                  baseline=decode_attention_ref(q, k, v, L), name="flash_decode vs decode_attention")
 
 
+def test_cache_stored_sequence_major_with_splits():
+    """A (B, S, Hkv, D) cache viewed as (B, Hkv, S, D): each chunk starts at lo * stride_s with
+    stride_s = Hkv * D, not D; lengths 70 and 9 cut into 3 chunks (the second sequence's of 3)."""
+    q, k, v, L = _case(2, 4, 2, 70, 16, torch.float32, [70, 9], seed=10)
+    k_t = nan_canary(k.transpose(1, 2).contiguous()).transpose(1, 2)
+    v_t = nan_canary(v.transpose(1, 2).contiguous()).transpose(1, 2)
+    assert not k_t.is_contiguous() and k_t.stride(2) == 2 * 16
+    want = flash_decode_ref(q.double(), k.double(), v.double(), L).float()
+    assert_close(flash_decode(q, k_t, v_t, L, 3, block_s=16), want, dtype=torch.float32,
+                 baseline=decode_attention_ref(q, k, v, L))
+
+
 def test_reference_agrees_with_decode_attention_ref():
     q, k, v, L = _case(3, 4, 2, 50, 16, torch.float32, [50, 0, 9], seed=1)
     assert_close(flash_decode_ref(q, k, v, L).float(), decode_attention_ref(q, k, v, L))
