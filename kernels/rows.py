@@ -8,7 +8,7 @@ wide row needs more registers than a thread may have (255, and fewer as warps gr
 65536, so 16 warps leave 128 per thread and 32 warps leave 64), and the compiler spills to local
 memory. So warps grow with the row, as in Triton's layer-norm tutorial (``BLOCK // 256`` warps,
 at most 8; triton-lang/triton@545699290b851e70231ee3017481851170f1583d,
-python/tutorials/05-layer-norm.py) and Liger-Kernel's ``calculate_settings`` (4, 8, 16 or 32
+python/tutorials/05-layer-norm.py) and Liger-Kernel's ``calculate_settings`` (4 warps, then 8, 16 or 32
 warps from 2048, 8192 and 32768 columns up; linkedin/Liger-Kernel@45621c83d3438b9f5acf30a90175f4949fd40855,
 src/liger_kernel/ops/utils.py). Here the count comes from a per-thread budget measured by
 compiling the kernels for sm_90a (the chapters print the table): each kernel family has a number of
