@@ -44,7 +44,8 @@ class TensorPeak:
     memory, so tensors that existed before the block are never counted, even through their views;
     each new storage is tracked through a weak reference to the C++ storage, so it counts for as long as
     anything (a view, a tensor saved for backward, a gradient) keeps it alive, not just the Python
-    object that first held it. After every operation the live total is compared with the peak.
+    object that first held it. After every operation the live total is compared with the peak
+    (and recorded in ``timeline``).
     Memory that is not a PyTorch tensor (the Triton interpreter's NumPy temporaries, one block of a
     row at a time) is not counted. Deterministic, and exact at the level of storages.
 
@@ -75,7 +76,7 @@ class TensorPeak:
         import torch
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        stack = [out]
+        stack, grew = [out], False
         while stack:
             item = stack.pop()
             if isinstance(item, (list, tuple)):
@@ -88,11 +89,14 @@ class TensorPeak:
                 # an address may be reused (allocators do): a dead entry there is a new storage
                 if key and (key not in self._live or self._live[key][0].expired()):
                     self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-        # Alive means reachable: storage held only by garbage cycles does not count. Triton's interpreter
-        # leaves one per launch (a closure that refers to itself keeps the arguments' storages until the
-        # cycle collector runs); collecting frees them as a GPU launch would. The objects that existed
-        # before the block are frozen (``__enter__``), so this scans only the block's own objects.
-        gc.collect()
+                    grew = True
+        if grew:
+            # Alive means reachable: storage held only by garbage cycles does not count. Triton's
+            # interpreter leaves one per launch (a closure that refers to itself keeps the arguments'
+            # storages until the cycle collector runs); collecting frees them as a GPU launch would.
+            # Only an operation that made new memory can raise the peak, so only then is it worth the
+            # cost; the objects that existed before the block are frozen (``__enter__``) and not scanned.
+            gc.collect()
         self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
         self.timeline.append(sum(n for _, n in self._live.values()))
         self.peak_bytes = max(self.peak_bytes, self.timeline[-1])
