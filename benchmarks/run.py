@@ -74,8 +74,8 @@ def flash_attention() -> list[dict]:
 
 
 def flash_decode() -> list[dict]:
-    """Split-K decode (kernels.attention.flash_decode) against the unsplit decode_attention kernel, fp16,
-    Llama-2-70B's attention shape (64 query heads, 8 K/V heads, d = 128)."""
+    """Split-K decode (kernels.attention.flash_decode) against decode_attention's single pass
+    (num_splits=1), fp16, Llama-2-70B's attention shape (64 query heads, 8 K/V heads, d = 128)."""
     from kernels.attention import choose_num_splits, decode_attention
     from kernels.attention import flash_decode as split_decode
 
@@ -90,7 +90,7 @@ def flash_decode() -> list[dict]:
             nbytes = 2 * batch * 8 * length * 128 * k.element_size()     # the K and V cache, read once
             flops = 4 * batch * 64 * length * 128                          # q.k and p.v for every query head
             for impl, fn in ((f"flash_decode-{splits}-splits", lambda: split_decode(q, k, v, lens, splits)),
-                             ("decode_attention", lambda: decode_attention(q, k, v, lens))):
+                             ("decode_attention-1-pass", lambda: decode_attention(q, k, v, lens, num_splits=1))):
                 rows.append(_timed(impl, fn, bytes_moved=nbytes, flops=flops, dtype=q.dtype,
                                    B=batch, Hq=64, Hkv=8, L=length, D=128))
     return rows

@@ -13,18 +13,30 @@ Shapes:
     cache_seqlens (B,) int32/int64  L_b, 0 <= L_b <= S_max
     output       (B, Hq, D)         same dtype as q; a sequence with L_b = 0 gets zeros
 
-The kernel runs one program per (sequence, K/V head) (GQA packing). It loads the group of
-Hq / Hkv query heads that share the K/V head once, then walks that sequence's cache in tiles of
-BLOCK_S positions with the online softmax (running max m, running sum l, rescaled accumulator), so
-each cached key and value is read once for the whole group, and only the L_b filled positions are
-read at all. Per step that is 2 * L_b * Hkv * D elements of cache per sequence: decode attention is
-a stream over the cache, bound by memory bandwidth (about 1 FLOP per byte in fp16 per query head).
+Every program packs a GQA group: it loads the Hq / Hkv query heads that share a K/V head once, then
+walks cache positions in tiles of BLOCK_S with the online softmax (running max m, running sum l,
+rescaled accumulator), so each cached key and value is read once for the whole group, and only the
+L_b filled positions are read at all. Per step that is 2 * L_b * Hkv * D elements of cache per
+sequence: decode attention is a stream over the cache, bound by memory bandwidth (about 1 FLOP
+per byte in fp16 per query head).
 
-The grid is B x Hkv programs however long the cache: 8 at batch 1 for Llama-3-8B on a GPU of 132
-SMs. That suits the tiny GPT (this is the kernel its KV-cache path calls); the split-KV version
-that fills a GPU at batch 1 is :mod:`kernels.attention.flash_decode`, which reuses this module's
-device functions. Offsets that grow with the batch or the cache length (b * stride_b, the K/V head,
-the first position of a chunk) are computed in int64.
+Two launches, picked by ``num_splits``:
+
+* one split: the single-pass kernel, one program per (sequence, K/V head), grid B x Hkv
+  (:func:`decode_grid`). At batch 1 that is 8 programs for Llama-3-8B on a GPU of 132 SMs.
+* s > 1 splits (flash decoding, :mod:`kernels.attention.flash_decode` derives it): the cache of
+  sequence b is cut into s chunks of ceil(L_b / s) positions, one program per (sequence, K/V head,
+  chunk) (:func:`split_grid`), each writing its partial (m_s, l_s, o_s); a combine kernel, one
+  program per (sequence, query head), merges them exactly:
+      m = max_s m_s,   w_s = l_s exp(m_s - m),   o = sum_s w_s o_s / sum_s w_s.
+
+``num_splits=None`` asks :func:`choose_num_splits` (a pure function of batch, Hkv, cache length and
+SM count) with this GPU's SM count: 64 splits, 512 programs for Llama-3-8B at batch 1 and a 32k
+cache; 1 split once the batch fills the GPU or the cache is shorter than two chunks of MIN_CHUNK.
+Under the interpreter it is always 1 split (programs run one after another there, so a split only
+adds the partials and the combine: the tiny GPT's KV-cache path stays one kernel). Offsets that
+grow with the batch or the cache length (b * stride_b, the K/V head, the first position of a chunk)
+are computed in int64.
 """
 from __future__ import annotations
 
@@ -74,6 +86,15 @@ def _kv_offset(b, hk, stride_b, stride_h):
 
 
 @triton.jit
+def _kv_tile(k_ptrs, v_ptrs, s_ok, d_ok):
+    """One (BLOCK_S, BLOCK_D) tile of K and of V in fp32; positions with s_ok False read as 0."""
+    kv_mask = s_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _group_attend(
     q, k_ptr, v_ptr, n, stride_ks, stride_kd, stride_vs, stride_vd, D,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, MASK_LENGTH: tl.constexpr,
@@ -81,10 +102,10 @@ def _group_attend(
     """Online softmax of a group of query heads over n consecutive cache positions of one K/V head.
 
     q (BLOCK_G, BLOCK_D) fp32, pre-scaled by log2(e)/sqrt(D); k_ptr, v_ptr point at the first of
-    the n positions (offsets computed in int64 by the caller). Each (BLOCK_S, D) tile of K and V is loaded once and serves all
-    BLOCK_G query heads. Returns m (BLOCK_G,) the max score (log2 units), l (BLOCK_G,) the sum of
-    exp2(score - m), acc (BLOCK_G, BLOCK_D) the sum of exp2(score - m) v; n <= 0 gives
-    m = -inf, l = 0, acc = 0.
+    the n positions (offsets computed in int64 by the caller). Each (BLOCK_S, D) tile of K and V is
+    loaded once and serves all BLOCK_G query heads. Returns m (BLOCK_G,) the max score (log2 units),
+    l (BLOCK_G,) the sum of exp2(score - m), acc (BLOCK_G, BLOCK_D) the sum of exp2(score - m) v;
+    n <= 0 gives m = -inf, l = 0, acc = 0.
     """
     s = tl.arange(0, BLOCK_S)       # (BLOCK_S,) cache positions within one tile
     d = tl.arange(0, BLOCK_D)       # (BLOCK_D,) head dimension
@@ -100,9 +121,7 @@ def _group_attend(
             s_ok = pos < n                                # only the filled part of the cache
         else:
             s_ok = pos < s0 + BLOCK_S                     # broken on purpose: reads the whole last tile
-        kv_mask = s_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _kv_tile(k_ptrs, v_ptrs, s_ok, d_ok)
         # scores[g, j] = q[g] . k[j]   (BLOCK_G, BLOCK_S); a group of a few heads is too small for tl.dot
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
@@ -115,6 +134,39 @@ def _group_attend(
         k_ptrs += BLOCK_S * stride_ks                     # pointer arithmetic is 64-bit: no wrap however long
         v_ptrs += BLOCK_S * stride_vs
     return m, l, acc
+
+
+@triton.jit
+def _group_attend_unified_max(
+    q, k_ptr, v_ptr, n, stride_ks, stride_kd, stride_vs, stride_vd, D, phi_log2, low_log2, high_log2,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """FlashDecoding++'s loop: :func:`_group_attend` with the max fixed at phi (log2 units) ahead of time,
+    so p = exp2(score - phi) and nothing is rescaled. Returns m = phi, l, acc as _group_attend, and
+    out_of_range (BLOCK_G,) int32: 1 where a tile's largest score left [phi + low, phi + high]."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    k_ptrs = k_ptr + s[:, None] * stride_ks + d[None, :] * stride_kd
+    v_ptrs = v_ptr + s[:, None] * stride_vs + d[None, :] * stride_vd
+    m = tl.full((BLOCK_G,), phi_log2, tl.float32)         # fixed ahead: never updated
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    out_of_range = tl.zeros((BLOCK_G,), tl.int32)
+    for s0 in range(0, n, BLOCK_S):
+        s_ok = s0 + s < n
+        k, v = _kv_tile(k_ptrs, v_ptrs, s_ok, d_ok)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)             # log2 units (BLOCK_G, BLOCK_S)
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        tile_max = tl.max(scores, axis=1)
+        bad = (tile_max > phi_log2 + high_log2) | (tile_max < phi_log2 + low_log2)
+        out_of_range = out_of_range | bad.to(tl.int32)
+        p = tl.exp2(scores - phi_log2)                                     # exp(x - phi): no max, no rescale
+        l = l + tl.sum(p, axis=1)
+        acc = acc + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        k_ptrs += BLOCK_S * stride_ks
+        v_ptrs += BLOCK_S * stride_vs
+    return m, l, acc, out_of_range
 
 
 @triton.jit
@@ -140,7 +192,8 @@ def _decode_attention_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK_LENGTH: tl.constexpr,
 ):
-    """One program per (sequence b, K/V head hk), grid (B, Hkv): the group's query heads over the whole cache."""
+    """num_splits=1: one program per (sequence b, K/V head hk), grid (B, Hkv): the group's query heads
+    over the whole cache."""
     b = tl.program_id(0)            # sequence
     hk = tl.program_id(1)           # K/V head; it serves query heads hk*GROUP .. hk*GROUP+GROUP-1
     L = tl.load(lens_ptr + b).to(tl.int32)   # filled cache positions of this sequence
@@ -154,6 +207,167 @@ def _decode_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     offs = b.to(tl.int64) * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, mpart_ptr, lpart_ptr, opart_ptr, flag_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    Hq, D, GROUP, NUM_SPLITS, scale_log2, phi_log2, low_log2, high_log2,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNIFIED: tl.constexpr, MASK_LENGTH: tl.constexpr,
+):
+    """Split KV (decode_attention runs it from 2 splits, flash_decode from 1): one program per
+    (sequence b, K/V head hk, split), grid (B, Hkv, NUM_SPLITS): the group's query heads over chunk
+    ``split`` of sequence b's cache.
+
+    UNIFIED=False: the online softmax (:func:`_group_attend`). UNIFIED=True (FlashDecoding++):
+    the max is the fixed phi (:func:`_group_attend_unified_max`); a score outside
+    [phi + low, phi + high] sets flag[b, hk, split].
+    Writes m_s, l_s (B*Hq, NUM_SPLITS) and the normalised o_s (B*Hq, NUM_SPLITS, D), all fp32,
+    with m in natural-log units (-inf for an empty chunk).
+    """
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(L, NUM_SPLITS)                        # this sequence's chunk length
+    lo = split * chunk
+    n = tl.minimum(lo + chunk, L) - lo                    # n <= 0: an empty split (a short sequence's tail)
+    first = lo.to(tl.int64)                               # lo * stride_ks passes 2**31 in a (B, S, H, D) layout
+    k_chunk = k_ptr + _kv_offset(b, hk, stride_kb, stride_kh) + first * stride_ks
+    v_chunk = v_ptr + _kv_offset(b, hk, stride_vb, stride_vh) + first * stride_vs
+    q = _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2, BLOCK_G, BLOCK_D)
+    if UNIFIED:
+        m, l, acc, out_of_range = _group_attend_unified_max(
+            q, k_chunk, v_chunk, n, stride_ks, stride_kd, stride_vs, stride_vd, D, phi_log2, low_log2, high_log2,
+            BLOCK_G, BLOCK_S, BLOCK_D)
+        tl.store(flag_ptr + (b.to(tl.int64) * (Hq // GROUP) + hk) * NUM_SPLITS + split, tl.max(out_of_range, axis=0))
+    else:
+        m, l, acc = _group_attend(q, k_chunk, v_chunk, n, stride_ks, stride_kd, stride_vs, stride_vd, D,
+                                  BLOCK_G, BLOCK_S, BLOCK_D, MASK_LENGTH)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]                           # o_s = acc / l_s
+    m_out = tl.where(n <= 0, float("-inf"), m * 0.6931471805599453)      # ln 2: natural-log units; empty: -inf
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < GROUP
+    rows = b.to(tl.int64) * Hq + hk * GROUP + g                          # (BLOCK_G,) rows of (B*Hq)
+    tl.store(mpart_ptr + rows * NUM_SPLITS + split, m_out, mask=g_ok)
+    tl.store(lpart_ptr + rows * NUM_SPLITS + split, l, mask=g_ok)
+    tl.store(opart_ptr + (rows[:, None] * NUM_SPLITS + split) * D + d[None, :], o, mask=g_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    mpart_ptr, lpart_ptr, opart_ptr, o_ptr,
+    stride_ob, stride_oh, stride_od,
+    Hq, D, NUM_SPLITS,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, query head): o = sum_s l_s e^{m_s - m} o_s / sum_s l_s e^{m_s - m}."""
+    row = tl.program_id(0).to(tl.int64)     # row * NUM_SPLITS * D grows with the batch: int64
+    b = row // Hq
+    h = row % Hq
+    s = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    m_s = tl.load(mpart_ptr + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(lpart_ptr + row * NUM_SPLITS + s, mask=s_ok, other=0.0)
+    o_s = tl.load(opart_ptr + (row * NUM_SPLITS + s[:, None]) * D + d[None, :],
+                  mask=s_ok[:, None] & (d < D)[None, :], other=0.0)           # (BLOCK_SPLITS, BLOCK_D)
+    m = tl.max(m_s, axis=0)                                                    # m = max_s m_s
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = l_s * tl.exp(m_s - m_safe)                                             # w_s = l_s e^{m_s - m}
+    l = tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * o_s, axis=0) / tl.where(l > 0, l, 1.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d * stride_od, o.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grids and the number of splits
+
+
+def decode_grid(batch: int, kv_heads: int) -> tuple[int, int]:
+    """The single-pass kernel's grid: one program per (sequence, K/V head), whatever the cache length.
+
+    At batch 1 that is Hkv programs (8 for Llama-3-8B or Llama-2-70B) for a GPU of 132 SMs, which
+    is why :func:`decode_attention` splits the cache there (:func:`choose_num_splits`).
+    """
+    return (batch, kv_heads)
+
+
+def split_grid(batch: int, kv_heads: int, num_splits: int) -> tuple[int, int, int]:
+    """The split kernel's grid: one program per (sequence, K/V head, split). The combine adds
+    batch * Hq small programs after it."""
+    return (batch, kv_heads, num_splits)
+
+
+def attention_grid(batch: int, kv_heads: int, num_splits: int) -> tuple[int, ...]:
+    """The K/V-streaming grid :func:`decode_attention` launches for ``num_splits``: :func:`decode_grid`
+    for one split, :func:`split_grid` for more."""
+    return decode_grid(batch, kv_heads) if num_splits == 1 else split_grid(batch, kv_heads, num_splits)
+
+
+# The choice below, and why (a design, not a measurement; no GPU timing was run here):
+# * WAVES: a decode program is 4 warps streaming K/V; an SM holds several such programs at once
+#   (sm90: 64 resident warps), and a memory-bound stream needs many loads in flight per SM. Aim for
+#   at least 4 programs per SM, i.e. B * Hkv * s >= 4 * SMs.
+# * MIN_CHUNK: each split writes, and the combine reads back, group * (D + 2) fp32 values per K/V
+#   head, about 8 * group * D bytes, against the 4 * chunk * D bytes of fp16 K and V it reads: a
+#   fraction 2 * group / chunk. A chunk of at least 256 positions keeps that below 1/16 for groups
+#   up to 8 (vLLM's paged attention v2 uses 512-token partitions: vllm-project/vllm@cc17020a,
+#   csrc/attention/paged_attention_v2.cu, PARTITION_SIZE). The price: at batch 1 with 8 K/V heads a
+#   cache shorter than 256 * ceil(132 / 8) = 4352 positions gets fewer programs than an H100 has SMs.
+# * MAX_SPLITS: the combine holds a (next_pow2(s), next_pow2(D)) fp32 tile per program; 64 splits at
+#   D = 128 compile without spills (tests/test_decode_attention.py).
+# For comparison, FlashAttention-2's heuristic (Dao-AILab/flash-attention@765fbd92, csrc/flash_attn/
+# flash_api.cpp, num_splits_heuristic) counts batch * query heads * query blocks, uses 1 split once
+# that reaches 0.8 * SMs, caps at min(64, SMs, key blocks of 128 at D = 128) and takes the fewest
+# splits whose last-wave efficiency is within 85% of the best.
+WAVES = 4
+MIN_CHUNK = 256
+MAX_SPLITS = 64
+
+
+def choose_num_splits(batch: int, kv_heads: int, cache_len: int, sms: int, *, waves: int = WAVES,
+                      min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS) -> int:
+    """The number of splits s for a decode step: the fewest with batch * kv_heads * s >= waves * sms
+    programs, but no chunk shorter than ``min_chunk`` positions and at most ``max_splits``.
+
+    A pure function of its arguments (the launcher passes the device's SM count); 1 when the batch
+    alone fills the GPU or the cache is too short to split.
+    """
+    for arg, val in (("batch", batch), ("kv_heads", kv_heads), ("sms", sms), ("waves", waves),
+                     ("min_chunk", min_chunk), ("max_splits", max_splits)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"choose_num_splits: {arg} must be an int >= 1, got {val!r}")
+    if not isinstance(cache_len, int) or cache_len < 0:
+        raise ValueError(f"choose_num_splits: cache_len must be an int >= 0, got {cache_len!r}")
+    programs = batch * kv_heads
+    want = -(-waves * sms // programs)                 # ceil(waves * sms / programs)
+    longest = cache_len // min_chunk                   # s <= L / min_chunk: every chunk >= min_chunk
+    return max(1, min(want, longest, max_splits))
+
+
+def device_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device (what :func:`choose_num_splits` fills)."""
+    if device.type != "cuda":
+        raise ValueError(f"device_sms: {device} is not a CUDA device")
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, kv_heads: int, cache_len: int, device: torch.device) -> int:
+    """``num_splits=None``: :func:`choose_num_splits` with the GPU's SM count; 1 under the interpreter,
+    which runs programs one after another (a split there only adds the partials and the combine)."""
+    if runtime.runtime().interpreted:
+        return 1
+    return choose_num_splits(max(batch, 1), kv_heads, cache_len, device_sms(device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
 
 
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name: str = "decode_attention") -> None:
@@ -188,37 +402,11 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name: str = "decode_
                          f"min {int(cache_seqlens.min())}, max {int(cache_seqlens.max())}")
 
 
-def decode_grid(batch: int, kv_heads: int) -> tuple[int, int]:
-    """The single-pass kernel's grid: one program per (sequence, K/V head), whatever the cache length.
-
-    At batch 1 that is Hkv programs (8 for Llama-3-8B or Llama-2-70B) for a GPU of 132 SMs:
-    :func:`kernels.attention.flash_decode` splits the cache to fill it.
-    """
-    return (batch, kv_heads)
-
-
-def _launch(q, k_cache, v_cache, cache_seqlens, *, block_s: int, mask_length: bool) -> torch.Tensor:
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    group = Hq // Hkv
-    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
-    if B == 0 or Hq == 0:
-        return out
-    _decode_attention_kernel[decode_grid(B, Hkv)](
-        q, k_cache, v_cache, cache_seqlens, out,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        D, group, LOG2E / math.sqrt(D),
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
-        MASK_LENGTH=mask_length,
-    )
-    return out
-
-
 # The per-tile product q[:, None, :] * k[None, :, :] holds BLOCK_G x BLOCK_S x BLOCK_D fp32 values,
 # spread over the 128 threads of 4 warps. Compiled (Triton 3.7.1) for sm_90a with BLOCK_D = 128:
 # group 4 at BLOCK_S = 16 (8192 values) needs 168 registers per thread; group 8 at BLOCK_S = 16
 # (16384 values) reaches the 255-register limit and at 32 spills to local memory (STL/LDL), at 8 it
-# needs 196 (tests/test_flash_decode.py compiles these). So on a GPU the tile keeps that product at
+# needs 196 (tests/test_decode_attention.py compiles these). So on a GPU the tile keeps that product at
 # 8192 values; the interpreter, where each loop iteration costs time, takes 64 positions.
 GPU_PRODUCT_ELEMENTS = 8192
 MIN_BLOCK_S = 8
@@ -242,22 +430,116 @@ def check_block_s(block_s: int, name: str) -> None:
         raise ValueError(f"{name}: block_s must be a power of two >= {MIN_BLOCK_S}, got {block_s!r}")
 
 
+def check_num_splits(num_splits, name: str) -> None:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"{name}: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+
+
+def resolve_launch(q, k_cache, cache_seqlens, num_splits, block_s, name: str) -> tuple[int, int]:
+    """(num_splits, block_s) with the defaults filled in (:func:`default_num_splits`,
+    :func:`default_block_s`) and both checked; the inputs are already validated."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, int(cache_seqlens.max()) if B else 0, q.device)
+    check_num_splits(num_splits, name)
+    if block_s is None:
+        block_s = default_block_s(Hq // Hkv, D)
+    check_block_s(block_s, name)
+    return num_splits, block_s
+
+
+def _single_pass(q, k_cache, v_cache, cache_seqlens, *, block_s: int, mask_length: bool) -> torch.Tensor:
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0 or Hq == 0:
+        return out
+    _decode_attention_kernel[decode_grid(B, Hkv)](
+        q, k_cache, v_cache, cache_seqlens, out,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        D, group, LOG2E / math.sqrt(D),
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+        MASK_LENGTH=mask_length,
+    )
+    return out
+
+
+def split_partials(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block_s: int, mask_length: bool = True,
+                   unified: tuple[float, float, float] | None = None):
+    """The split kernel: per split the partial m_s, l_s (B, Hq, s) and o_s (B, Hq, s, D), fp32, and the
+    (B, Hkv, s) int32 flags. ``unified=(phi, low, high)`` (natural-log units) runs FlashDecoding++'s
+    fixed-max loop, flagging scores outside [phi + low, phi + high]; inputs already validated."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    phi, low, high = unified if unified is not None else (0.0, 0.0, 0.0)
+    m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+    flags = torch.zeros((B, Hkv, num_splits), dtype=torch.int32, device=q.device)
+    if B * Hq == 0:
+        return m, l, o, flags
+    _decode_split_kernel[split_grid(B, Hkv, num_splits)](
+        q, k_cache, v_cache, cache_seqlens, m, l, o, flags,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        Hq, D, group, num_splits, LOG2E / math.sqrt(D), phi * LOG2E, low * LOG2E, high * LOG2E,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+        UNIFIED=unified is not None, MASK_LENGTH=mask_length,
+    )
+    return m, l, o, flags
+
+
+def combine(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """The combine kernel: (m, l) (B, Hq, S) and o (B, Hq, S, D), fp32 -> (B, Hq, D)."""
+    if m.dim() != 3 or l.shape != m.shape or o.dim() != 4 or o.shape[:3] != m.shape:
+        raise ValueError(f"combine: expected m, l (B, Hq, S) and o (B, Hq, S, D), got {tuple(m.shape)}, "
+                         f"{tuple(l.shape)}, {tuple(o.shape)}")
+    if any(t.dtype != torch.float32 for t in (m, l, o)):
+        raise TypeError("combine: m, l, o must be float32 (the split step's partials)")
+    m, l, o = m.contiguous(), l.contiguous(), o.contiguous()
+    B, Hq, S, D = o.shape
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=o.device)
+    if B * Hq:
+        _decode_combine_kernel[(B * Hq,)](
+            m, l, o, out, *out.stride(), Hq, D, S,
+            BLOCK_SPLITS=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+        )
+    return out
+
+
+def split_attention(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block_s: int,
+                    mask_length: bool = True) -> torch.Tensor:
+    """The split kernel then the combine, whatever ``num_splits`` (one split too); inputs already validated."""
+    m, l, o, _ = split_partials(q, k_cache, v_cache, cache_seqlens, num_splits, block_s=block_s,
+                                mask_length=mask_length)
+    return combine(m, l, o, out_dtype=q.dtype)
+
+
+def _launch(q, k_cache, v_cache, cache_seqlens, *, num_splits: int, block_s: int, mask_length: bool) -> torch.Tensor:
+    """What :func:`decode_attention` runs once its arguments are checked: the single-pass kernel for one
+    split, the split kernel and the combine for more. ``mask_length=False`` is the broken variant
+    that reads every tile whole (past the sequence's length, or into the next chunk)."""
+    if num_splits == 1:
+        return _single_pass(q, k_cache, v_cache, cache_seqlens, block_s=block_s, mask_length=mask_length)
+    return split_attention(q, k_cache, v_cache, cache_seqlens, num_splits, block_s=block_s, mask_length=mask_length)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_seqlens: torch.Tensor, *, block_s: int | None = None) -> torch.Tensor:
+                     cache_seqlens: torch.Tensor, *, num_splits: int | None = None,
+                     block_s: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its first ``cache_seqlens[b]`` cached positions.
 
     q (B, Hq, D), k_cache and v_cache (B, Hkv, S_max, D) with Hq a multiple of Hkv, cache_seqlens (B,)
     integers in [0, S_max]; any strides. Returns (B, Hq, D) in q's dtype; zeros where the cache is empty.
-    ``block_s`` (cache positions per loop iteration, a power of two >= 8) defaults to
-    :func:`default_block_s`.
 
-    The single-pass kernel: :func:`decode_grid` programs, each walking a whole cache. It is what
-    the tiny GPT's KV-cache path calls (small batches of short caches, where a split would only add
-    a combine); at batch 1 on a GPU it leaves most SMs idle, and
-    :func:`kernels.attention.flash_decode` is the split-KV version that fills them.
+    ``num_splits`` (an int in [1, MAX_SPLITS]) cuts each cache into that many chunks: 1 runs the
+    single-pass kernel (:func:`decode_grid` programs), more the split kernel (:func:`split_grid`)
+    and the combine. None (the default) is :func:`default_num_splits`: enough splits to fill this
+    GPU (:func:`choose_num_splits`), 1 under the interpreter. ``block_s`` (cache positions per loop
+    iteration, a power of two >= 8) defaults to :func:`default_block_s`.
     """
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens)
-    if block_s is None:
-        block_s = default_block_s(q.shape[1] // k_cache.shape[1], q.shape[2])
-    check_block_s(block_s, "decode_attention")
-    return _launch(q, k_cache, v_cache, cache_seqlens, block_s=block_s, mask_length=True)
+    num_splits, block_s = resolve_launch(q, k_cache, cache_seqlens, num_splits, block_s, "decode_attention")
+    return _launch(q, k_cache, v_cache, cache_seqlens, num_splits=num_splits, block_s=block_s, mask_length=True)
