@@ -144,3 +144,25 @@ def test_bad_inputs(model):
         model.generate(torch.zeros(1, 100, dtype=torch.long), 40)
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(d_model=130, n_head=4)
+
+
+def test_optimizer_comparison_reproduces_its_logged_losses():
+    """The committed optimizer comparison: a sweep of every optimizer, and the first three steps of
+    each optimizer's best run re-run here give the logged training losses."""
+    from kernels.model import optimizers
+
+    results = json.loads(optimizers.RESULTS.read_text())
+    assert {r["optimizer"] for r in results["runs"]} == set(optimizers.SWEEP)
+    assert [r["peak_lr"] for r in results["runs"]] == [lr for lrs in optimizers.SWEEP.values() for lr in lrs]
+    torch.set_num_threads(results["threads"])
+    for name, best in optimizers.best_runs(results).items():
+        again = optimizers.run(name, best["peak_lr"], steps=3, schedule_steps=results["steps"],
+                               batch_size=results["batch_size"], eval_every=100, config=GPTConfig(), progress=False)
+        assert again["train_loss"] == pytest.approx(best["train_loss"][:3], abs=1e-3), name
+
+
+def test_unknown_optimizer_is_refused():
+    from kernels.model import optimizers
+
+    with pytest.raises(ValueError, match="unknown optimizer 'Lion'"):
+        optimizers.make_optimizer("Lion", GPT(GPTConfig()), 1e-3)
