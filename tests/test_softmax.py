@@ -10,6 +10,7 @@ import triton.language as tl
 
 from kernels import runtime
 from kernels.softmax import online as sm
+from kernels.softmax.broken import softmax_without_rescale
 from kernels.softmax import (
     merge_softmax_stats, naive_softmax_ref, online_softmax_ref, softmax, softmax_ref, softmax_stats,
 )
@@ -254,24 +255,6 @@ def _no_mask_kernel(x_ptr, y_ptr, n_rows, n_cols, stride_x, stride_y, BLOCK_R: t
 
 
 @triton.jit
-def _no_rescale_online_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    m = tl.full((), float("-inf"), tl.float32)
-    l = tl.full((), 0.0, tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        c = start + cols
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        l = l + tl.sum(tl.exp(x - m_new), axis=0)    # BROKEN: old sum not rescaled by exp(m - m_new)
-        m = m_new
-    for start in range(0, n_cols, BLOCK_N):
-        c = start + cols
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=float("-inf")).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + c, (tl.exp(x - m) / l).to(y_ptr.dtype.element_ty), mask=c < n_cols)
-
-
-@triton.jit
 def _no_dot_bwd_kernel(y_ptr, g_ptr, dx_ptr, n_rows, n_cols, stride_y, stride_g, stride_dx,
                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -299,12 +282,14 @@ def test_broken_missing_mask_is_caught_by_canary(monkeypatch):
         assert_close(softmax(nan_canary(x, rows=True)), softmax_ref(x))
 
 
-def test_broken_online_without_rescale_is_caught(monkeypatch):
+def test_broken_online_without_rescale_is_caught():
+    """kernels.softmax.broken (the chapter shows the same kernel): the running sum not rescaled."""
     x = torch.linspace(-3, 3, 4 * 300).reshape(4, 300).to(DEVICE)   # increasing: the max grows every block
     assert_close(softmax(x, block_size=64), softmax_ref(x))
-    monkeypatch.setattr(sm, "_softmax_online_kernel", _no_rescale_online_kernel)
     with pytest.raises(MismatchError):
-        assert_close(softmax(x, block_size=64), softmax_ref(x))
+        assert_close(softmax_without_rescale(x, block_size=64), softmax_ref(x))
+    flipped = x.flip(-1).contiguous()                                 # the max in the first block: no rescale needed
+    assert_close(softmax_without_rescale(flipped, block_size=64), softmax_ref(flipped))
 
 
 def test_broken_backward_is_caught(monkeypatch):
