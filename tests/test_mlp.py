@@ -10,7 +10,8 @@ from kernels import inspect as kinspect
 from kernels.mlp import gated as mlp
 from kernels import runtime
 from kernels.mlp.gated import (
-    LlamaMLP, geglu, geglu_ref, llama_hidden_size, llama_mlp_ref, mlp_parameters, reglu, reglu_ref, swiglu, swiglu_ref,
+    LlamaMLP, fuse_gate_up, geglu, geglu_ref, llama_hidden_size, llama_mlp_fused_ref, llama_mlp_ref, mlp_parameters, reglu,
+    reglu_ref, swiglu, swiglu_ref,
 )
 from kernels.testing import MismatchError, assert_close, nan_canary
 
@@ -107,10 +108,21 @@ def test_references_gradcheck_float64():
 
 # ---------------------------------------------------------------------------------------------- LLaMA MLP, the 2/3 rule
 
-def test_llama_hidden_sizes_of_real_models():
-    """LLaMA-7B (d 4096) has 11008; Llama-2-70B (d 8192, multiplier 1.3, multiple_of 4096) has 28672."""
-    assert llama_hidden_size(4096) == 11008
-    assert llama_hidden_size(8192, multiple_of=4096, ffn_dim_multiplier=1.3) == 28672
+@pytest.mark.parametrize("d, multiple_of, multiplier, hidden", [
+    (4096, 256, None, 11008),      # LLaMA-7B
+    (8192, 256, None, 22016),      # LLaMA-65B
+    (4096, 1024, 1.3, 14336),      # Llama 3 8B (meta-llama/llama-models sku_list)
+    (8192, 4096, 1.3, 28672),      # Llama 2 70B, Llama 3 70B
+    (16384, 4096, 1.2, 53248),     # Llama 3.1 405B
+    (2048, 256, 1.5, 8192),        # Llama 3.2 1B
+])
+def test_llama_hidden_sizes_of_real_models(d, multiple_of, multiplier, hidden):
+    assert llama_hidden_size(d, multiple_of, multiplier) == hidden
+
+
+def test_llama_hidden_size_without_the_multiplier_misses_llama3():
+    """The plain 2/3 rule gives 11264 at d = 4096 with multiple_of 1024, not Llama 3 8B's 14336."""
+    assert llama_hidden_size(4096, multiple_of=1024) == 11264 != 14336
 
 
 @pytest.mark.parametrize("d", [96, 768, 4096 * 3])
@@ -228,3 +240,39 @@ def test_broken_backward_is_caught(monkeypatch):
     monkeypatch.setattr(mlp, "_glu_bwd_kernel", _bwd_wrong_derivative_kernel)
     with pytest.raises(MismatchError, match="swiglu dgate"):
         _check("swiglu", g, u, d)
+
+
+# ---------------------------------------------------------------------------------------------- fused gate/up layout
+
+def test_fused_gate_up_equals_two_gemms():
+    """One (2h, d) GEMM split into gate and up gives the two-GEMM block, forward and weight gradients."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, 24, generator=g, dtype=torch.float64)
+    wg, wu = (torch.randn(40, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    wd = torch.randn(24, 40, generator=g, dtype=torch.float64)
+    wgu = fuse_gate_up(wg, wu).requires_grad_()
+    assert wgu.shape == (80, 24) and torch.equal(wgu[:40], wg) and torch.equal(wgu[40:], wu)
+    fused = llama_mlp_fused_ref(x, wgu, wd)
+    wg2, wu2 = wg.clone().requires_grad_(), wu.clone().requires_grad_()
+    split = llama_mlp_ref(x, wg2, wu2, wd)
+    assert_close(fused, split, dtype=torch.float64)
+    dy = torch.randn(fused.shape, generator=g, dtype=torch.float64)
+    (dwgu,) = torch.autograd.grad(fused, wgu, dy)
+    dwg, dwu = torch.autograd.grad(split, (wg2, wu2), dy)
+    assert_close(dwgu, torch.cat([dwg, dwu]), dtype=torch.float64)
+
+
+def test_fused_gate_up_with_swapped_halves_is_caught():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 16, generator=g, dtype=torch.float64)
+    wg, wu = (torch.randn(24, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    wd = torch.randn(16, 24, generator=g, dtype=torch.float64)
+    with pytest.raises(MismatchError):
+        assert_close(llama_mlp_fused_ref(x, fuse_gate_up(wu, wg), wd), llama_mlp_ref(x, wg, wu, wd), dtype=torch.float64)
+
+
+def test_fused_gate_up_bad_shapes_refused():
+    with pytest.raises(ValueError, match="w_gate and w_up"):
+        fuse_gate_up(torch.zeros(4, 3), torch.zeros(5, 3))
+    with pytest.raises(ValueError, match="w_gate_up"):
+        llama_mlp_fused_ref(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(3, 2))

@@ -74,10 +74,33 @@ def llama_mlp_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     return (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
 
+def fuse_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The fused layout: W_gate (h, d) stacked on W_up (h, d) as one (2h, d) weight, so that one GEMM
+    ``x W_gu^T`` (T, 2h) computes both projections; its first h columns are the gate, the last h the up."""
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape:
+        raise ValueError(f"fuse_gate_up: w_gate and w_up must be (hidden, d) of one shape, got "
+                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    return torch.cat([w_gate, w_up], dim=0)
+
+
+def llama_mlp_fused_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """:func:`llama_mlp_ref` with the fused (2h, d) gate/up weight: one GEMM, then split into views.
+
+    ``gate, up = (x W_gu^T).chunk(2, -1)``: two (T, h) views with row stride 2h, no copy.
+    Computed in fp32 from the same inputs (float64 kept), returned wide.
+    """
+    if w_gate_up.dim() != 2 or w_gate_up.shape[0] % 2:
+        raise ValueError(f"llama_mlp_fused_ref: w_gate_up must be (2 * hidden, d), got {tuple(w_gate_up.shape)}")
+    x, w_gate_up, w_down = (_wide(t) for t in (x, w_gate_up, w_down))
+    gate, up = (x @ w_gate_up.T).chunk(2, dim=-1)                      # (T, 2h) -> two (T, h) views
+    return (F.silu(gate) * up) @ w_down.T
+
+
 def llama_hidden_size(d_model: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None) -> int:
-    """The hidden width LLaMA's code picks: two thirds of 4d, times an optional multiplier, rounded up
-    to ``multiple_of``. Three d x h matrices at h = 8d/3 hold as many parameters as the two
-    d x 4d matrices of a plain MLP (3 * 8/3 = 2 * 4 = 8 d^2). LLaMA-7B: d = 4096 gives 11008."""
+    """The hidden width Meta's LLaMA code picks: two thirds of 4d, times an optional multiplier, rounded
+    up to ``multiple_of``. Three d x h matrices at h = 8d/3 hold as many parameters as the two
+    d x 4d matrices of a plain MLP (3 * 8/3 = 2 * 4 = 8 d^2). LLaMA-7B: d = 4096 gives 11008;
+    Llama 3 8B (multiplier 1.3, multiple_of 1024) 14336; Llama 2 70B (1.3, 4096) 28672."""
     hidden = int(2 * (4 * d_model) / 3)
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)
