@@ -2,8 +2,8 @@
 
 This package re-exports the public names of its modules."""
 from kernels.softmax.online import (
-    merge_softmax_stats, naive_softmax_ref, online_softmax_ref, softmax, softmax_ref, softmax_stats,
+    log_softmax_ref, merge_softmax_stats, naive_softmax_ref, online_softmax_ref, softmax, softmax_ref, softmax_stats,
 )
 
-__all__ = ["merge_softmax_stats", "naive_softmax_ref", "online_softmax_ref", "softmax", "softmax_ref",
+__all__ = ["log_softmax_ref", "merge_softmax_stats", "naive_softmax_ref", "online_softmax_ref", "softmax", "softmax_ref",
            "softmax_stats"]

@@ -17,6 +17,7 @@ Public interface:
 * :func:`softmax_ref` -- PyTorch's softmax computed in fp32 (float64 stays float64);
 * :func:`naive_softmax_ref` -- no max subtraction: overflows, on purpose;
 * :func:`online_softmax_ref` -- the one-pass running max and running sum, in PyTorch;
+* :func:`log_softmax_ref` -- ``x - m - log l`` from the same statistics;
 * :func:`softmax_stats`, :func:`merge_softmax_stats` -- the (max, sum) pair of a block and the
   merge of two pairs, which the FlashAttention chapters import.
 
@@ -95,6 +96,19 @@ def merge_softmax_stats(
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     l = l_a * torch.exp(m_a - m_safe) + l_b * torch.exp(m_b - m_safe)
     return m, l
+
+
+def log_softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log softmax(x) = x - m - log l from the row's statistics (:func:`softmax_stats`), in fp32
+    (float64 kept), returned wide.
+
+    Never ``log(softmax(x))``: an entry far below the max has a probability that underflows to 0,
+    whose log is -inf, while ``x_i - m - log l`` is its finite log-probability (about ``x_i - m``).
+    """
+    xw = _wide(x)
+    m, l = softmax_stats(xw, dim=dim)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    return xw - m_safe - torch.log(l)                  # an all -inf row: -inf - 0 - log 0 = NaN, like torch
 
 
 def online_softmax_ref(x: torch.Tensor, dim: int = -1, block: int = 128) -> torch.Tensor:
