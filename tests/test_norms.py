@@ -527,3 +527,46 @@ def test_broken_rms_norm_backward_is_caught(monkeypatch):
     monkeypatch.setattr(rms_mod, "_rms_norm_bwd_kernel", _rms_bwd_no_projection_kernel)
     with pytest.raises(MismatchError, match="dx"):
         _check_rms_norm(x, w, g)
+
+
+# ---------------------------------------------------------------------------------------------- BatchNorm backward, moment merge
+
+def test_batch_norm_backward_reference_equals_autograd():
+    from kernels.norm import batch_norm_backward_ref, batch_norm_ref
+    g_ = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 4, 5, generator=g_, dtype=torch.float64) * 2 + 1
+    w, b = torch.randn(3, generator=g_, dtype=torch.float64), torch.randn(3, generator=g_, dtype=torch.float64)
+    g = torch.randn(x.shape, generator=g_, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    auto = torch.autograd.grad(batch_norm_ref(*leaves[:1], None, None, *leaves[1:], training=True), leaves, g)
+    for label, hand, a in zip(("dx", "dw", "db"), batch_norm_backward_ref(x, w, g), auto):
+        assert_close(hand, a, name=f"BatchNorm {label}")
+    # the same formula with the LayerNorm-style row means instead of channel means is wrong here
+    from kernels.norm import layer_norm_backward_ref
+    wrong = layer_norm_backward_ref(x.movedim(1, -1), w, g.movedim(1, -1))[0].movedim(-1, 1)
+    with pytest.raises(MismatchError):
+        assert_close(wrong, auto[0])
+
+
+def test_merge_moments_is_exact_and_beats_one_pass():
+    from kernels.norm import merge_moments, moments
+    g_ = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 1000, generator=g_, dtype=torch.float64) + 1e4
+    parts = [moments(p) for p in torch.split(x, [1, 300, 699], dim=-1)]
+    n, mean, m2 = merge_moments(*merge_moments(*parts[0], *parts[1]), *parts[2])
+    n2, mean2, m22 = merge_moments(*parts[2], *merge_moments(*parts[1], *parts[0]))
+    want_n, want_mean, want_m2 = moments(x)
+    for got in ((n, mean, m2), (n2, mean2, m22)):
+        assert torch.equal(got[0], want_n)
+        assert_close(got[1], want_mean, name="merged mean")
+        assert_close(got[2], want_m2, name="merged M2")
+    empty = tuple(torch.zeros(3, 1, dtype=torch.float64) for _ in range(3))
+    assert all(torch.equal(a, b) for a, b in zip(merge_moments(*empty, n, mean, m2), (n, mean, m2)))
+    x32 = x.float()
+    fused = [moments(p) for p in torch.split(x32, 250, dim=-1)]
+    acc = fused[0]
+    for p in fused[1:]:
+        acc = merge_moments(*acc, *p)
+    assert ((acc[2] / 1000 - x.var(-1, unbiased=False, keepdim=True)).abs() < 1e-2).all()
+    one_pass = (x32 * x32).mean(-1, keepdim=True) - x32.mean(-1, keepdim=True) ** 2
+    assert ((one_pass - x.var(-1, unbiased=False, keepdim=True)).abs() > 0.1).any()

@@ -80,6 +80,28 @@ def batch_norm_ref(
     return y
 
 
+def batch_norm_backward_ref(x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor, eps: float = 1e-5):
+    """The hand-derived training-mode backward in PyTorch: ``(dx, dw, db)`` for upstream gradient ``g``.
+
+    Per channel c, over its m = N * L values, with xhat = (x - mu_c) * rstd_c and gw = g * w_c:
+        dx = rstd_c * (gw - mean_c(gw) - xhat * mean_c(gw * xhat)),
+        dw_c = sum_c(g * xhat),   db_c = sum_c(g)
+    LayerNorm's formula with the means taken down the channel instead of along the row, because the
+    statistics depend on every value of the channel. (The running statistics carry no gradient.)
+    Computed wide (fp32, float64 kept).
+    """
+    axes = [0, *range(2, x.dim())]                       # every axis but the channel axis
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    xw, gw_ = wide(x), wide(g)
+    mu = xw.mean(dim=axes, keepdim=True)
+    rstd = torch.rsqrt(xw.var(dim=axes, unbiased=False, keepdim=True) + eps)
+    xhat = (xw - mu) * rstd
+    gw = gw_ * wide(weight).view(shape) if weight is not None else gw_     # dL/dxhat
+    dx = rstd * (gw - gw.mean(dim=axes, keepdim=True) - xhat * (gw * xhat).mean(dim=axes, keepdim=True))
+    dw = (gw_ * xhat).sum(dim=axes) if weight is not None else None
+    return dx, dw, gw_.sum(dim=axes)
+
+
 @triton.jit
 def _batch_norm_stats_kernel(
     x_ptr, mean_ptr, rstd_ptr, rmean_ptr, rvar_ptr,

@@ -58,6 +58,30 @@ def layer_norm_backward_ref(x: torch.Tensor, weight: torch.Tensor | None, g: tor
     return dx, dw, db
 
 
+def moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The statistics of one block along the last dimension: count n, mean, and M2 = sum (x - mean)^2."""
+    n = torch.full((*x.shape[:-1], 1), float(x.shape[-1]), dtype=x.dtype, device=x.device)
+    mean = x.mean(dim=-1, keepdim=True)
+    return n, mean, ((x - mean) ** 2).sum(dim=-1, keepdim=True)
+
+
+def merge_moments(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Merge the (count, mean, M2) of two disjoint parts into those of their union (Chan, Golub and
+    LeVeque, 1983), the update ``_layer_norm_fwd_tiled_kernel`` applies block by block:
+
+        n = n_a + n_b,   d = mean_b - mean_a,
+        mean = mean_a + d * n_b / n,   M2 = M2_a + M2_b + d^2 * n_a * n_b / n
+
+    Exact, associative and commutative, with identity (0, 0, 0) -- the twin of
+    :func:`kernels.softmax.merge_softmax_stats`. Never forms E[x^2] - E[x]^2. (Welford's update is
+    the case n_b = 1.)
+    """
+    n = n_a + n_b
+    d = mean_b - mean_a
+    w = torch.where(n > 0, n_b / n.clamp_min(1), torch.zeros_like(n))    # n_b / n, 0 for two empty parts
+    return n, mean_a + d * w, m2_a + m2_b + d * d * n_a * w
+
+
 @triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
