@@ -144,6 +144,87 @@ def test_cross_entropy_bad_inputs():
         cross_entropy(x.long(), torch.zeros(4, dtype=torch.long, device=DEVICE))
 
 
+# ---------------------------------------------------------------- z-loss and soft-capping
+
+TERMS = [{"z_loss": 1e-2}, {"softcap": 5.0}, {"z_loss": 1e-2, "softcap": 5.0, "label_smoothing": 0.1}]
+
+
+def _check_terms(fn, N, V, dtype, terms):
+    """``fn`` (the kernel, or a broken stand-in) against cross_entropy_ref in float64 with the same terms,
+    loss and gradient, the reference in fp32 as the baseline. Logits of spread 20 put many of them
+    beyond a cap of 5, where the cap's derivative is far from 1, and make lse large for the z-loss."""
+    x = _logits(N, V, dtype, scale=20.0)
+    t = _targets(N, V, ignore_every=3 if N > 3 else 0)
+    got, dgot = _loss_and_grad(fn, nan_canary(x), t, **terms)
+    ref, dref = _loss_and_grad(cross_entropy_ref, x.double(), t, **terms)
+    base, dbase = _loss_and_grad(cross_entropy_ref, x.float(), t, **terms)
+    assert_close(got, ref.float(), dtype=torch.float32, baseline=base, factor=4.0, name="loss")
+    assert_close(dgot, dref, dtype=dtype, baseline=dbase.to(dtype), name="dlogits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N,V", [(1, 1), (37, 300), (5, 4097)])
+@pytest.mark.parametrize("terms", TERMS, ids=lambda t: "+".join(t))
+def test_z_loss_and_softcap_match_the_reference(N, V, dtype, terms):
+    _check_terms(cross_entropy, N, V, dtype, terms)
+
+
+def test_reference_terms_match_their_definitions():
+    """The reference's z-loss is w lse^2 on top of PyTorch's loss, its cap is Gemma 2's tanh cap, and
+    autograd through it gives ((1 + 2 w lse) softmax(c) - onehot) (1 - (c / cap)^2)."""
+    x = _logits(6, 40, torch.float64, scale=20.0).requires_grad_()
+    t = _targets(6, 40)
+    w, cap = 1e-2, 5.0
+    assert_close(cross_entropy_ref(x, t, z_loss=w), F.cross_entropy(x, t) + w * (torch.logsumexp(x, -1) ** 2).mean())
+    c = cap * torch.tanh(x / cap)
+    assert_close(cross_entropy_ref(x, t, softcap=cap), F.cross_entropy(c, t))
+    (grad,) = torch.autograd.grad(cross_entropy_ref(x, t, z_loss=w, softcap=cap, reduction="sum"), x)
+    lse_c = torch.logsumexp(c, -1, keepdim=True)
+    formula = ((1 + 2 * w * lse_c) * torch.softmax(c, -1) - F.one_hot(t, 40)) * (1 - (c / cap) ** 2)
+    assert_close(grad, formula)
+
+
+def _terms_only_in_forward(logits, target, z_loss=0.0, softcap=None, label_smoothing=0.0):
+    """Broken on purpose: the loss has the extra terms, the gradient is the plain loss's on the capped
+    logits (no (1 + 2 w lse) factor, no dc/dx): the value of one, the slope of the other."""
+    c = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    c_identity = c.detach() + (logits - logits.detach())          # value c, gradient passed through as 1
+    plain = cross_entropy_ref(c_identity, target, label_smoothing=label_smoothing)
+    full = cross_entropy_ref(logits, target, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    return plain + (full - plain).detach()
+
+
+@pytest.mark.parametrize("terms", TERMS[:2], ids=lambda t: "+".join(t))
+def test_a_gradient_without_the_terms_is_caught(terms):
+    with pytest.raises(MismatchError, match="dlogits"):
+        _check_terms(_terms_only_in_forward, 37, 300, torch.float32, terms)
+
+
+def test_fused_linear_with_z_loss_and_softcap():
+    h, w = _flce_case(37, 24, 300, torch.float32)
+    t = _targets(37, 300, ignore_every=5)
+    terms = {"z_loss": 1e-2, "softcap": 2.0}
+    got = _flce_grads(fused_linear_cross_entropy, h * 4, w, t, chunk_size=8, **terms)
+    ref = _flce_grads(fused_linear_cross_entropy_ref, h.double() * 4, w.double(), t, **terms)
+    base = _flce_grads(fused_linear_cross_entropy_ref, h * 4, w, t, **terms)
+    for label, a, e, b in zip(["loss", "dhidden", "dweight"], got, ref, base):
+        assert_close(a, e.float(), dtype=torch.float32, baseline=b, factor=4.0, name=label)
+
+
+def test_terms_bad_inputs():
+    x = torch.randn(4, 9, device=DEVICE)
+    t = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    for bad in (-1e-4, float("nan"), float("inf"), "1e-4"):
+        with pytest.raises(ValueError, match="z_loss must be"):
+            cross_entropy(x, t, z_loss=bad)
+    for bad in (0.0, -30.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap must be"):
+            cross_entropy(x, t, softcap=bad)
+    h, w = _flce_case(4, 8, 9, torch.float32)
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy: softcap"):
+        fused_linear_cross_entropy(h, w, t, softcap=0.0)
+
+
 # ---------------------------------------------------------------- where the gradient goes
 
 def test_default_leaves_the_callers_logits_untouched():
@@ -222,6 +303,7 @@ def test_inplace_refuses_logits_it_cannot_overwrite_and_backward_runs_once():
 # ---------------------------------------------------------------- launch choices, compiled for sm_90a
 
 VOCABS = (32_000, 128_256, 151_936)   # Mistral 7B / Llama 2, Llama 3, Qwen2 (padded)
+GEMMA2_VOCAB = 256_000                 # Gemma 2 (gemma2024gemma2), which caps its final logits
 
 
 def _row_offset_multiplies(ptx: str, param: int) -> list[str]:
@@ -249,6 +331,8 @@ def ce_builds():
     cases["old: 4096, 4 warps"] = aot_job(128_256, block_v=4096, num_warps=4)
     cases["broken: 8192, 4 warps"] = aot_job(128_256, block_v=8192, num_warps=4)
     cases["broken: int32 rows"] = aot_job(128_256, int64_rows=False)
+    for V in (*VOCABS, GEMMA2_VOCAB):   # with both extra terms compiled in, as Gemma 2 would train
+        cases[f"bf16 V={V} z-loss+softcap"] = aot_job(V, "bf16", z_loss=True, softcap=True)
     unique = {}
     for job in cases.values():
         unique.setdefault(repr(job.spec()), job)
@@ -267,6 +351,13 @@ def test_launch_at_real_vocabularies_does_not_spill_on_sm90a(ce_builds, V):
         assert b.metadata["num_warps"] == launch_config(V)[1]
         assert b.spills == 0 and b.metadata["stack_bytes"] == 0, ki.resource_table([(dt, b)])
         assert b.metadata["registers"] <= 64
+
+
+@pytest.mark.parametrize("V", (*VOCABS, GEMMA2_VOCAB))
+def test_launch_with_z_loss_and_softcap_does_not_spill(ce_builds, V):
+    b = ce_builds[f"bf16 V={V} z-loss+softcap"]
+    assert b.spills == 0 and b.metadata["stack_bytes"] == 0, ki.resource_table([("terms", b)])
+    assert b.metadata["registers"] <= 64
 
 
 def test_spill_check_catches_a_spilling_launch(ce_builds):

@@ -6,6 +6,10 @@ For one row of logits x (V,) and target t, with label smoothing eps:
     loss = (1 - eps) (lse - x_t) + eps (lse - mean_j x_j)  =  lse - (1 - eps) x_t - eps mean_j x_j
     dloss/dx_j = softmax(x)_j - (1 - eps) [j = t] - eps / V
 
+Two optional terms: soft-capping (Gemma 2) first replaces every logit by c(x) = cap tanh(x / cap),
+and the loss above is taken on c(x), so dloss/dx_j = dloss/dc_j (1 - (c_j / cap)^2); the z-loss (PaLM)
+adds w lse^2, whose gradient is 2 w lse softmax(x)_j, so the softmax term becomes (1 + 2 w lse) softmax_j.
+
 Rows whose target equals ``ignore_index`` contribute no loss and no gradient, and the mean is over
 the rows that are not ignored (PyTorch's convention; all rows ignored gives NaN, as PyTorch does).
 
@@ -40,16 +44,22 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def cross_entropy_ref(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                      label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
-    """The reference: log-sum-exp written out, in fp32 from the same inputs (float64 stays float64)."""
+                      label_smoothing: float = 0.0, reduction: str = "mean", *, z_loss: float = 0.0,
+                      softcap: float | None = None) -> torch.Tensor:
+    """The reference: log-sum-exp written out, in fp32 from the same inputs (float64 stays float64).
+
+    ``softcap``: the logits are first replaced by softcap * tanh(logits / softcap) (Gemma 2's final
+    logits); ``z_loss``: each row's loss gains z_loss * lse^2 (PaLM's auxiliary loss on log Z)."""
     x = (logits if logits.dtype == torch.float64 else logits.float()).reshape(-1, logits.shape[-1])  # (N, V)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)                      # c(x), in (-cap, cap)
     t = target.reshape(-1).long()                                  # (N,)
     valid = t != ignore_index
     t_safe = torch.where(valid, t, torch.zeros_like(t))
     m = x.max(dim=-1, keepdim=True).values                         # subtract the max: exp never overflows
     lse = (m + (x - m).exp().sum(-1, keepdim=True).log()).squeeze(-1)
     x_t = x.gather(1, t_safe[:, None]).squeeze(1)
-    loss = lse - (1 - label_smoothing) * x_t - label_smoothing * x.mean(-1)
+    loss = lse - (1 - label_smoothing) * x_t - label_smoothing * x.mean(-1) + z_loss * lse ** 2
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "none":
         return loss.reshape(target.shape)
@@ -59,11 +69,21 @@ def cross_entropy_ref(logits: torch.Tensor, target: torch.Tensor, ignore_index: 
 
 
 @triton.jit
+def _softcap(x, cap, inv_cap):
+    """cap * tanh(x / cap), with tanh(u) = 2 sigmoid(2u) - 1: libdevice's tanh fails under the interpreter.
+    inv_cap = 1 / cap, formed once per row: a multiply per logit instead of a division (on sm_90a the
+    launch for V = 256,000 needs 48 registers this way, 79 with x / cap)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * x * inv_cap) - 1.0)
+
+
+@triton.jit
 def _cross_entropy_kernel(
     x_ptr, t_ptr, loss_ptr, grad_ptr,   # logits (N, V), targets (N,), row losses (N,), gradient (N, V): may be x_ptr
     V, stride_xn, stride_gn,            # row strides in elements; within a row the vocabulary is contiguous
     ignore_index, smoothing, grad_scale,
+    z_loss, cap,                        # z-loss weight w, soft-cap value (used only when Z_LOSS / SOFTCAP)
     BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, SUBTRACT_MAX: tl.constexpr, INT64_ROWS: tl.constexpr,
+    Z_LOSS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     # row * stride passes 2**31 once N * V does (V = 128256: from row 16744 on), so it is formed in int64.
@@ -73,6 +93,7 @@ def _cross_entropy_kernel(
     t = tl.load(t_ptr + row)
     is_valid = t != ignore_index
     cols = tl.arange(0, BLOCK_V)
+    inv_cap = 1.0 / cap
 
     # Sweep 1: running max m and running sum s = sum exp(x - m) (online log-sum-exp), plus x_t and sum x.
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)    # per-lane running max
@@ -83,6 +104,8 @@ def _cross_entropy_kernel(
         v = v0 + cols
         ok = v < V
         x = tl.load(x_row + v, mask=ok, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:   # c = cap tanh(x / cap); the lanes past V must stay -inf, not become -cap
+            x = tl.where(ok, _softcap(x, cap, inv_cap), float("-inf"))
         if SUBTRACT_MAX:
             m_new = tl.maximum(m, x)
             # lanes that have seen only -inf keep s = 0 (avoid -inf - -inf = NaN)
@@ -96,13 +119,19 @@ def _cross_entropy_kernel(
     m_row = tl.max(m, axis=0)
     s_row = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_row)), axis=0)
     lse = m_row + tl.log(s_row)
+    inv_s = 1.0 / s_row                 # sweep 2 forms softmax as exp(x - m) / s: x - m is exact, x - lse is not
     target_logit = tl.sum(x_t, axis=0)
     mean_x = tl.sum(x_sum, axis=0) / V
     loss = lse - (1.0 - smoothing) * target_logit
     loss -= tl.where(smoothing > 0, smoothing * mean_x, 0.0)   # no 0 * -inf = NaN when eps = 0
+    p_scale = 1.0                                              # d(lse + w lse^2)/d lse, multiplies softmax
+    if Z_LOSS:
+        loss += z_loss * lse * lse                             # PaLM's z-loss: w (log Z)^2
+        p_scale = 1.0 + 2.0 * z_loss * lse
     tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
 
-    # Sweep 2: gradient (softmax - (1 - eps) onehot - eps / V) * grad_scale, zero for ignored rows.
+    # Sweep 2: gradient ((1 + 2 w lse) softmax - (1 - eps) onehot - eps / V) * grad_scale, zero for
+    # ignored rows, times dc/dx = 1 - (c / cap)^2 when the logits were soft-capped.
     # In place (grad_ptr == x_ptr) each element is read and then overwritten by the same program, and
     # the target's logit was kept from sweep 1, so no logit is read after it has been overwritten.
     if WRITE_GRAD:
@@ -112,8 +141,12 @@ def _cross_entropy_kernel(
             v = v0 + cols
             ok = v < V
             x = tl.load(x_row + v, mask=ok, other=0.0).to(tl.float32)
-            p = tl.exp(x - lse)
-            g = p - tl.where(v == t, 1.0 - smoothing, 0.0) - smoothing / V
+            if SOFTCAP:
+                x = _softcap(x, cap, inv_cap)
+            p = tl.exp(x - m_row) * inv_s
+            g = p_scale * p - tl.where(v == t, 1.0 - smoothing, 0.0) - smoothing / V
+            if SOFTCAP:
+                g = g * (1.0 - (x * inv_cap) * (x * inv_cap))  # chain rule through the cap: 1 - tanh^2
             tl.store(g_row + v, (g * scale).to(grad_ptr.dtype.element_ty), mask=ok)
 
 
@@ -144,6 +177,15 @@ def _check_target(name, target, V, ignore_index, device) -> None:
         raise ValueError(f"{name}: target values must be in [0, {V}) or equal ignore_index={ignore_index}; found {first}")
 
 
+def _check_terms(name, z_loss, softcap) -> dict:
+    """The optional loss terms as keyword arguments of :func:`_ce_rows`, checked."""
+    if not (isinstance(z_loss, (int, float)) and 0.0 <= float(z_loss) < float("inf")):
+        raise ValueError(f"{name}: z_loss must be a finite number >= 0 (PaLM uses 1e-4), got {z_loss!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < float(softcap) < float("inf")):
+        raise ValueError(f"{name}: softcap must be a finite number > 0 or None (Gemma 2 uses 30.0), got {softcap!r}")
+    return {"z_loss": float(z_loss), "softcap": None if softcap is None else float(softcap)}
+
+
 def _check_options(name, label_smoothing, reduction) -> None:
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {label_smoothing}")
@@ -169,26 +211,30 @@ def launch_config(V: int) -> tuple[int, int]:
 
 
 def aot_job(V: int, dtype: str = "fp32", *, block_v: int | None = None, num_warps: int | None = None,
-            int64_rows: bool = True):
+            int64_rows: bool = True, z_loss: bool = False, softcap: bool = False):
     """The kernel as :func:`_ce_rows` launches it on a vocabulary of V with ``dtype`` logits
     ("fp32", "bf16", "fp16"), as a :class:`kernels.inspect.TritonJob` for ahead-of-time compiling;
-    ``block_v``, ``num_warps`` and ``int64_rows`` override the launcher's choices (broken variants)."""
+    ``block_v``, ``num_warps`` and ``int64_rows`` override the launcher's choices (broken variants);
+    ``z_loss`` and ``softcap`` compile the kernel with those terms."""
     from kernels.inspect import TritonJob
 
     block, warps = launch_config(V)
     signature = {"x_ptr": f"*{dtype}", "t_ptr": "*i64", "loss_ptr": "*fp32", "grad_ptr": f"*{dtype}", "V": "i32",
                  "stride_xn": "i32", "stride_gn": "i32", "ignore_index": "i32", "smoothing": "fp32",
-                 "grad_scale": "fp32"}
-    constexprs = {"BLOCK_V": block_v or block, "WRITE_GRAD": True, "SUBTRACT_MAX": True, "INT64_ROWS": int64_rows}
+                 "grad_scale": "fp32", "z_loss": "fp32", "cap": "fp32"}
+    constexprs = {"BLOCK_V": block_v or block, "WRITE_GRAD": True, "SUBTRACT_MAX": True, "INT64_ROWS": int64_rows,
+                  "Z_LOSS": z_loss, "SOFTCAP": softcap}
     return TritonJob(_cross_entropy_kernel, signature, constexprs=constexprs, num_warps=num_warps or warps)
 
 
 def _ce_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float, grad_scale: float,
-             grad: torch.Tensor | None = None, *, subtract_max: bool = True) -> torch.Tensor:
+             grad: torch.Tensor | None = None, *, subtract_max: bool = True, z_loss: float = 0.0,
+             softcap: float | None = None) -> torch.Tensor:
     """Launch the kernel on logits x (N, V) with contiguous rows; returns the row losses (N,) fp32.
 
     With ``grad`` (N, V, contiguous rows) the kernel also writes dloss/dx * grad_scale there;
-    ``grad`` may be ``x`` itself, and then the gradient replaces the logits."""
+    ``grad`` may be ``x`` itself, and then the gradient replaces the logits. ``z_loss`` > 0 and
+    ``softcap`` compile the kernel with those terms; without them it is the plain kernel."""
     N, V = x.shape
     loss = torch.empty(N, dtype=torch.float32, device=x.device)
     block_v, warps = launch_config(V)
@@ -196,9 +242,9 @@ def _ce_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: flo
         _cross_entropy_kernel[(N,)](
             x, t, loss, loss if grad is None else grad,     # the grad pointer is unused without WRITE_GRAD
             V, x.stride(0), 0 if grad is None else grad.stride(0),
-            ignore_index, float(smoothing), float(grad_scale),
+            ignore_index, float(smoothing), float(grad_scale), float(z_loss), float(softcap or 1.0),
             BLOCK_V=block_v, WRITE_GRAD=grad is not None, SUBTRACT_MAX=subtract_max, INT64_ROWS=True,
-            num_warps=warps,
+            Z_LOSS=z_loss > 0, SOFTCAP=softcap is not None, num_warps=warps,
         )
     return loss
 
@@ -239,14 +285,14 @@ def _scale_(grad: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, inplace, need_grad):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, inplace, need_grad, terms):
         x = rows.as_rows(logits)                       # (N, V) rows; a view of logits when inplace
         t = target.reshape(-1)
         n_valid, grad_scale = _grad_scale(t, ignore_index, reduction)
         grad = None
         if need_grad:
             grad = x if inplace else torch.empty_like(x)    # the only (N, V) tensor the forward may allocate
-        loss_rows = _ce_rows(x, t, ignore_index, label_smoothing, grad_scale, grad)
+        loss_rows = _ce_rows(x, t, ignore_index, label_smoothing, grad_scale, grad, **terms)
         if grad is x:
             # The logits now hold the gradient. Bumping their version makes any other node that saved
             # them for its backward fail loudly there, instead of reading the gradient as logits.
@@ -264,15 +310,19 @@ class _CrossEntropy(torch.autograd.Function):
             grad.mul_(grad_out.reshape(-1, 1).to(grad.dtype))   # each row by its own incoming gradient
         else:
             _scale_(grad, grad_out)                              # one scalar for the whole tensor
-        return grad.reshape(ctx.logits_shape), None, None, None, None, None, None
+        return grad.reshape(ctx.logits_shape), None, None, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  label_smoothing: float = 0.0, reduction: str = "mean", *, inplace: bool = False) -> torch.Tensor:
+                  label_smoothing: float = 0.0, reduction: str = "mean", *, inplace: bool = False,
+                  z_loss: float = 0.0, softcap: float | None = None) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy`` for class-index targets, with one fused Triton kernel.
 
     logits (..., V) in fp16/bf16/fp32; target (...) int64/int32. The loss is fp32; the gradient has
     the logits' dtype. Differentiable in logits; the kernel writes the gradient during the forward.
+    ``softcap`` (> 0) takes the loss on softcap * tanh(logits / softcap), Gemma 2's final-logit
+    cap; ``z_loss`` (>= 0) adds z_loss * lse^2 to each row's loss, PaLM's auxiliary z-loss
+    (:func:`cross_entropy_ref` writes both out).
 
     Where the gradient goes (only when one is needed: logits require grad and grad mode is on):
 
@@ -290,11 +340,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     and a second backward raise.
     """
     _check_ce_inputs("cross_entropy", logits, target, ignore_index, label_smoothing, reduction)
+    terms = _check_terms("cross_entropy", z_loss, softcap)
     if inplace:
         _check_inplace_logits(logits)
     need_grad = torch.is_grad_enabled() and logits.requires_grad   # (inside forward, grad mode is off)
     return _CrossEntropy.apply(logits, target, int(ignore_index), float(label_smoothing), reduction, bool(inplace),
-                               need_grad)
+                               need_grad, terms)
 
 
 def _check_inplace_logits(logits: torch.Tensor) -> None:
@@ -310,11 +361,17 @@ def _check_inplace_logits(logits: torch.Tensor) -> None:
 
 def fused_linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                    ignore_index: int = -100, label_smoothing: float = 0.0,
-                                   reduction: str = "mean") -> torch.Tensor:
-    """The unfused version: materialize all (N, V) logits = hidden @ weight^T, then the loss (PyTorch)."""
+                                   reduction: str = "mean", *, z_loss: float = 0.0,
+                                   softcap: float | None = None) -> torch.Tensor:
+    """The unfused version: materialize all (N, V) logits = hidden @ weight^T, then the loss (PyTorch;
+    with a z-loss or a soft cap, :func:`cross_entropy_ref`)."""
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.T
-    loss = F.cross_entropy(logits.float(), target.reshape(-1).long(), ignore_index=ignore_index,
-                           label_smoothing=label_smoothing, reduction=reduction)
+    if z_loss or softcap is not None:
+        loss = cross_entropy_ref(logits, target.reshape(-1), ignore_index, label_smoothing, reduction,
+                                 z_loss=z_loss, softcap=softcap)
+    else:
+        loss = F.cross_entropy(logits.float(), target.reshape(-1).long(), ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, reduction=reduction)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -341,7 +398,7 @@ def _accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index, label_smoothing, reduction, chunk_size, need_grad):
+    def forward(ctx, hidden, weight, target, ignore_index, label_smoothing, reduction, chunk_size, need_grad, terms):
         C = hidden.shape[-1]
         h = hidden.reshape(-1, C)                                  # (N, C)
         t = target.reshape(-1)
@@ -357,7 +414,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             torch.mm(h_c, weight.T, out=z_c)                       # Z_c = H_c W^T              (n, V)
             # the kernel overwrites Z_c with G_c = dL/dZ_c: the chunk's logits are dead after it
             loss_rows[i: i + n] = _ce_rows(z_c, t[i: i + n], ignore_index, label_smoothing, grad_scale,
-                                           z_c if need_grad else None)
+                                           z_c if need_grad else None, **terms)
             if need_grad:
                 torch.mm(z_c, weight, out=grad_h[i: i + n])        # dL/dH_c = G_c W            (n, C)
                 _accumulate_(grad_w, z_c.T, h_c)                   # dL/dW  += G_c^T H_c        (V, C)
@@ -377,13 +434,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                "use 'mean' or 'sum'")
         grad_h, grad_w = _pop_grads(ctx, "fused_linear_cross_entropy")
         return (_scale_(grad_h, grad_out).reshape(hidden_shape), _scale_(grad_w, grad_out).to(w_dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                ignore_index: int = -100, label_smoothing: float = 0.0,
-                               reduction: str = "mean", chunk_size: int | None = None) -> torch.Tensor:
-    """cross_entropy(hidden @ weight^T, target) without ever holding all the logits.
+                               reduction: str = "mean", chunk_size: int | None = None, *, z_loss: float = 0.0,
+                               softcap: float | None = None) -> torch.Tensor:
+    """cross_entropy(hidden @ weight^T, target) without ever holding all the logits (``z_loss`` and
+    ``softcap`` as in :func:`cross_entropy`).
 
     hidden (..., C), weight (V, C) (the LM head, or the tied embedding), target (...). Logits are made
     ``chunk_size`` tokens at a time (default :func:`chunk_rows`) into one (chunk, V) buffer; the
@@ -412,6 +471,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise ValueError(f"{name}: chunk_size must be >= 1 (or None for chunk_rows), got {chunk_size}")
     _check_target(name, target, weight.shape[0], ignore_index, hidden.device)
     _check_options(name, label_smoothing, reduction)
+    terms = _check_terms(name, z_loss, softcap)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearCrossEntropy.apply(hidden, weight, target, int(ignore_index), float(label_smoothing),
-                                          reduction, None if chunk_size is None else int(chunk_size), need_grad)
+                                          reduction, None if chunk_size is None else int(chunk_size), need_grad,
+                                          terms)
