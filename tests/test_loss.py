@@ -303,7 +303,7 @@ def test_inplace_refuses_logits_it_cannot_overwrite_and_backward_runs_once():
 # ---------------------------------------------------------------- launch choices, compiled for sm_90a
 
 VOCABS = (32_000, 128_256, 151_936)   # Mistral 7B / Llama 2, Llama 3, Qwen2 (padded)
-GEMMA2_VOCAB = 256_000                 # Gemma 2 (gemma2024gemma2), which caps its final logits
+GEMMA2_VOCAB = 256_000                 # Gemma 2 (hf2025gemma2config), which caps its final logits at 30
 
 
 def _row_offset_multiplies(ptx: str, param: int) -> list[str]:
