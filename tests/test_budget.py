@@ -1,4 +1,4 @@
-"""kernels.model.serving: parameter counts, sliding-window caches, the memory plan and one layer's work."""
+"""kernels.model.budget: parameter counts, sliding-window caches, the memory plan and one layer's work."""
 import kernels  # noqa: F401  (before triton)
 
 import pytest
@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kernels.attention.gqa import kv_cache_bytes
 from kernels.gpu import hardware
-from kernels.model import serving as sv
+from kernels.model import budget as sv
 from kernels.model.gpt import GPT, GPTConfig, KVCache, count_parameters
 
 
