@@ -1,5 +1,7 @@
 """kernels.softmax.topk: softmax fused with top-k, the PyTorch pass and the Triton kernel, against
-torch.topk(torch.softmax(x)); and kernels.softmax.log_softmax_ref against torch.log_softmax."""
+torch.topk(torch.softmax(x)); the packed keys' order (ties, -inf, signed zeros); the kernel compiled
+ahead of time for sm_90a at vocabulary widths with its own launch (no spills); and
+kernels.softmax.log_softmax_ref against torch.log_softmax."""
 import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
@@ -7,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
+from kernels.inspect import compile_triton_many, tool
 from kernels.softmax import log_softmax_ref, softmax_ref
 from kernels.softmax import topk as tk
 from kernels.softmax.topk import softmax_topk, softmax_topk_ref
@@ -26,7 +29,8 @@ def _want(x, k):
 
 
 @pytest.mark.parametrize("shape,k,block", [((1, 1), 1, None), ((3, 7), 7, None), ((5, 1000), 5, None),
-                                           ((2, 3, 300), 8, 64), ((2, 9), 9, 4), ((3, 5000), 3, 1024)])
+                                           ((2, 3, 300), 8, 64), ((2, 9), 9, 4), ((2, 40), 9, 16),
+                                           ((3, 5000), 3, 1024), ((2, 600), 64, 256)])
 def test_kernel_and_reference_match_topk_of_softmax(shape, k, block):
     x = _x(shape)
     want_p, want_i = _want(x, k)
@@ -65,29 +69,55 @@ def test_bad_k_refused(k):
         softmax_topk(torch.ones(2, 7, device=DEVICE), k)
 
 
+def test_ties_infinities_and_zeros_follow_a_stable_descending_sort():
+    """The packed key orders by value, then by earlier column: equal logits (within a block and across
+    blocks), -inf, -0 == +0, the largest finite float and denormals, against a stable sort."""
+    tiny = torch.finfo(torch.float32).tiny / 4                         # a denormal
+    pattern = torch.tensor([1.0, -0.0, float("-inf"), 0.0, -2.5, 1.0, tiny, -tiny, 3e38, -3e38, -2.5, 0.0])
+    mostly_inf = torch.full((60,), float("-inf"))
+    mostly_inf[[5, 33, 47]] = torch.tensor([0.0, -1.0, 0.0])          # the top 40 then holds 37 tied -inf
+    x = torch.stack([pattern.repeat(5), (-pattern).clamp(max=3e38).repeat(5), mostly_inf]).to(DEVICE)  # (3, 60)
+    x[1, 7] = float("-inf")
+    k = 40
+    want_i = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    p, i = softmax_topk(x, k, block_size=16)
+    assert torch.equal(i, want_i)
+    assert_close(p, softmax_ref(x).gather(-1, want_i))
+
+
+def _raw_bits(x):
+    """BROKEN order map: the float's bits as they are, so negative logits sort backwards."""
+    return x.to(tl.int32, bitcast=True)
+
+
+def test_unflipped_negative_keys_are_caught(monkeypatch):
+    x = _x((3, 300)) - 20                                              # every logit negative
+    want_p, want_i = _want(x, 5)
+    monkeypatch.setattr(tk, "_order_key", triton.jit(_raw_bits))
+    p, i = softmax_topk(x, 5, block_size=64)
+    assert not torch.equal(i, want_i)
+    with pytest.raises(MismatchError):
+        assert_close(p, want_p)
+
+
 @triton.jit
-def _last_block_only_kernel(x_ptr, p_ptr, i_ptr, n_cols, stride_x, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+def _last_block_only_kernel(x_ptr, p_ptr, i_ptr, n_cols, stride_x, k, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m = tl.full((), float("-inf"), tl.float32)
     l = tl.full((), 0.0, tl.float32)
-    top_v = tl.full((BLOCK_K,), float("-inf"), tl.float32)
-    top_i = tl.full((BLOCK_K,), -1, tl.int64)
+    top = tl.full((BLOCK_K,), -2**63, tl.int64)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
-        for r in tl.static_range(K):                 # BROKEN: the running top-k is replaced, not merged
-            bj = tl.argmax(x, axis=0)
-            top_v = tl.where(ks == r, tl.max(x, axis=0), top_v)
-            top_i = tl.where(ks == r, start + bj, top_i)
-            x = tl.where(cols == bj, float("-inf"), x)
-    tl.store(p_ptr + row * K + ks, tl.exp(top_v - m) / l, mask=ks < K)
-    tl.store(i_ptr + row * K + ks, top_i, mask=ks < K)
+        top = tl.topk(tl.where(c < n_cols, tk._pack(x, c), -2**63), BLOCK_K)   # BROKEN: replaced, not merged
+    v, col = tk._unpack(top)
+    tl.store(p_ptr + row * k + ks, tl.exp(v - m) / l, mask=ks < k)
+    tl.store(i_ptr + row * k + ks, col, mask=ks < k)
 
 
 def test_broken_merge_is_caught(monkeypatch):
@@ -98,6 +128,43 @@ def test_broken_merge_is_caught(monkeypatch):
     with pytest.raises(MismatchError):
         assert_close(p, want_p)
     assert not torch.equal(i, want_i)
+
+
+def test_launch_rule():
+    assert tk.topk_launch(128256, 50) == tk.TopkLaunch(block_n=2048, block_k=64, num_warps=8)
+    assert tk.topk_launch(7, 1) == tk.TopkLaunch(block_n=8, block_k=2, num_warps=1)
+    assert tk.topk_launch(300, 9, block_size=4).block_n == 16             # a block holds the running keys
+    with pytest.raises(ValueError, match="block_size"):
+        softmax_topk(torch.ones(2, 7, device=DEVICE), 2, block_size=3)
+
+
+# ------------------------------------------------------------------------------------ ahead of time, sm_90a
+
+def _aot_available() -> bool:
+    try:
+        tool("cuobjdump")
+        return True
+    except Exception:  # ToolMissingError: no CUDA binutils in this environment
+        return False
+
+
+@pytest.mark.skipif(not _aot_available(), reason="cuobjdump (pip nvidia-cuda-cuobjdump) is missing")
+def test_vocabulary_widths_compile_without_spills():
+    """Llama 3's 128256 and Qwen2's 151936 columns, k in (1, 50, MAX_K), fp16 and bf16, with the
+    launcher's own choice (k is an argument: 50 and 64 share one kernel): no STL/LDL, no stack frame.
+    The same kernel at the softmax launch rule's 16384 columns and 32 warps (64 registers a thread)
+    spills, which shows the check can fail. One compile for all (about 20 s)."""
+    jobs = {}
+    for n in (128256, 151936):
+        for k in (1, 50, tk.MAX_K):
+            for dtype in (torch.float16, torch.bfloat16):
+                jobs.setdefault((tk.topk_launch(n, k), dtype), tk.aot_job(n, k, dtype))
+    assert len(jobs) == 4                                                 # (block_k 2 or 64) x 2 dtypes
+    oversized = tk.aot_job(128256, tk.MAX_K, torch.float16, tk.TopkLaunch(block_n=16384, block_k=64, num_warps=32))
+    *builds, old = [b["sm90"] for b in compile_triton_many([*jobs.values(), oversized], archs=("sm90",))]
+    for (lc, dtype), b in zip(jobs, builds):
+        assert (b.spills, b.metadata["stack_bytes"]) == (0, 0), f"{lc} {dtype}: {b.spills} STL+LDL"
+    assert old.spills > 0 and old.metadata["stack_bytes"] > 0
 
 
 # ---------------------------------------------------------------------------------------------- log-softmax

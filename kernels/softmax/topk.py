@@ -12,26 +12,63 @@ needs only the row's (m, l), which the online recurrence gathers block by block.
 the row can carry three running things: m, l (merged as in :func:`kernels.softmax.online.merge_softmax_stats`)
 and the k largest logits seen so far with their positions (merged by keeping the k largest of the
 old k and the new block). At the end ``exp(v - m) / l`` turns the k logits into probabilities.
-The row is read once and 2k numbers are written: one pass over memory instead of four.
+The row is read once and 2k numbers are written: one pass over memory instead of three.
 
 Public interface:
 
 * :func:`softmax_topk_ref` -- the fused pass in PyTorch, block by block;
 * :func:`softmax_topk` -- the Triton kernel, one program per row, any row length.
 
+* :func:`topk_launch` -- the kernel's block, key-list width and warps, used by the launcher and
+  by the ahead-of-time spill check (:func:`aot_job`).
+
 Both return ``(probs, indices)`` of shape ``(..., k)``, largest first, like
-``torch.topk(torch.softmax(x, -1), k)``. Ties between equal logits may be ordered differently.
+``torch.topk(torch.softmax(x, -1), k)``. The kernel breaks ties between equal logits towards the
+earlier column; torch does not promise an order for ties.
+
+The kernel keeps its running top-k as packed 64-bit keys: an order-preserving integer image of the
+fp32 logit in the high 32 bits and the (complemented) column in the low 32, so that one integer
+``tl.topk`` orders by value, breaks ties by column, and carries the index along. Each block costs one
+bitonic top-k of the block and one of the 2 x BLOCK_K merged keys, instead of k unrolled rounds of
+max and strike-out (which spilled at vocabulary widths: 1264 STL+LDL at k=50, 32 warps).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.rows import as_rows
-from kernels.softmax.online import _check_input, _wide, launch, merge_softmax_stats, softmax_stats
+from kernels.rows import as_rows, check_block_size, triton_type
+from kernels.softmax.online import _check_input, _wide, merge_softmax_stats, softmax_stats
 
-MAX_K = 64   # the running top-k lives in registers and costs k max-reductions per block
+MAX_K = 64          # the running keys live in registers; the AOT test checks k = 64 at vocabulary widths
+MAX_BLOCK = 2048    # columns a program takes at once: KEYS_PER_THREAD keys a thread at MAX_WARPS warps
+KEYS_PER_THREAD = 8 # int64 keys: 16 registers a thread per live copy of the block
+MAX_WARPS = 8
+
+
+@dataclass(frozen=True)
+class TopkLaunch:
+    """``block_n`` columns per block, a running list of ``block_k`` keys, ``num_warps`` warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def topk_launch(n_cols: int, k: int, block_size: int | None = None) -> TopkLaunch:
+    """The launch of :func:`softmax_topk` for rows of ``n_cols`` and ``k`` kept entries (the launcher
+    and the AOT spill test both call this). The keys are int64 whatever the input dtype, so the
+    dtype does not enter. ``block_k`` is k rounded up to a power of two (``tl.topk`` needs one) and at
+    least 2; a block holds at least ``block_k`` columns. Measured for sm_90a (the chapter prints the
+    table): 2048 columns at 8 warps keep k = 64 in 128 registers with no spills; 8192 at 16 warps spill.
+    ``block_size`` (a power of two) caps the block, for the tests' short rows."""
+    check_block_size("softmax_topk", block_size)
+    block_k = max(2, triton.next_power_of_2(k))
+    block_n = max(block_k, min(triton.next_power_of_2(n_cols), block_size or MAX_BLOCK))
+    return TopkLaunch(block_n, block_k, min(max(block_n // (32 * KEYS_PER_THREAD), 1), MAX_WARPS))
 
 
 def _check_k(x: torch.Tensor, k) -> None:
@@ -63,23 +100,49 @@ def softmax_topk_ref(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.T
 
 
 @triton.jit
+def _order_key(x):
+    """fp32 -> int32 in the same order under a signed compare. A non-negative float's bits already
+    grow with its value; a negative float's bits grow as it falls, so its 31 magnitude bits are
+    flipped: -inf (0xFF800000) becomes 0x807FFFFF, the least key a number can have. -0 is folded
+    into +0 first, so that equal values get equal keys."""
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _pack(x, col):
+    """(value, column) -> one int64 whose order is (value, then earlier column) largest first:
+    key = order_key(x) * 2**32 + (2**31 - 1 - col), for 0 <= col < 2**31."""
+    return (_order_key(x).to(tl.int64) << 32) | (0x7FFFFFFF - col).to(tl.int64)
+
+
+@triton.jit
+def _unpack(key):
+    """The inverse of _pack: (fp32 value, int64 column)."""
+    hi = (key >> 32).to(tl.int32)
+    bits = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi)
+    return bits.to(tl.float32, bitcast=True), 0x7FFFFFFF - (key & 0x7FFFFFFF)
+
+
+@triton.jit
 def _softmax_topk_kernel(
-    x_ptr, p_ptr, i_ptr, n_cols, stride_x,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, p_ptr, i_ptr, n_cols, stride_x, k,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per row, the row walked once in blocks of BLOCK_N. Per block:
+    """One program per row, the row walked once in blocks of BLOCK_N (>= BLOCK_K). Per block:
         (m, l) merged as in the online softmax;
-        the running top-K (values top_v, positions top_i) merged with the block by K rounds of
-        "take the larger of the two heads, then strike it out".
-    Writes p = exp(top_v - m) / l and top_i: K values each, largest first."""
+        the running top-BLOCK_K packed keys merged with the block's: topk of the block, then topk
+        of the 2 * BLOCK_K keys of the two lists.
+    Writes p = exp(v - m) / l and the columns of the first k keys, largest first (k <= BLOCK_K is
+    an argument, not a constant: every k up to a power of two shares one compiled kernel)."""
     row = tl.program_id(0).to(tl.int64)                                   # int64: row * stride may pass 2**31
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m = tl.full((), float("-inf"), tl.float32)                            # running max
     l = tl.full((), 0.0, tl.float32)                                      # running sum of exp(x - m)
-    top_v = tl.full((BLOCK_K,), float("-inf"), tl.float32)                # running top-K logits
-    top_i = tl.full((BLOCK_K,), -1, tl.int64)                             # and their columns
+    top = tl.full((BLOCK_K,), -2**63, tl.int64)                           # running top keys; -2**63 loses to all
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         x = tl.load(x_row + c, mask=c < n_cols, other=float("-inf")).to(tl.float32)
@@ -87,32 +150,21 @@ def _softmax_topk_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)             # all -inf so far: contribute 0
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)   # l' = l e^(m - m') + sum e^(x - m')
         m = m_new
-        new_v = tl.full((BLOCK_K,), float("-inf"), tl.float32)
-        new_i = tl.full((BLOCK_K,), -1, tl.int64)
-        for r in tl.static_range(K):                                      # merge: K largest of top-K and block
-            bv = tl.max(x, axis=0)
-            bj = tl.argmax(x, axis=0)
-            tv = tl.max(top_v, axis=0)
-            tj = tl.argmax(top_v, axis=0)
-            from_block = bv > tv                                          # ties keep the earlier column
-            t_col = tl.sum(tl.where(ks == tj, top_i, 0), axis=0)
-            new_v = tl.where(ks == r, tl.where(from_block, bv, tv), new_v)
-            new_i = tl.where(ks == r, tl.where(from_block, start + bj, t_col), new_i)
-            x = tl.where(cols == bj, tl.where(from_block, float("-inf"), x), x)        # strike the winner out
-            top_v = tl.where(ks == tj, tl.where(from_block, top_v, float("-inf")), top_v)
-        top_v = new_v
-        top_i = new_i
+        keys = tl.where(c < n_cols, _pack(x, c), -2**63)                  # (BLOCK_N,); padded lanes lose
+        both = tl.cat(top, tl.topk(keys, BLOCK_K), can_reorder=True)      # (2 BLOCK_K,): old top, block's top
+        top = tl.topk(both, BLOCK_K)                                      # the BLOCK_K largest, largest first
+    v, col = _unpack(top)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp(top_v - m_safe) / l
-    tl.store(p_ptr + row * K + ks, p.to(p_ptr.dtype.element_ty), mask=ks < K)
-    tl.store(i_ptr + row * K + ks, top_i, mask=ks < K)
+    p = tl.exp(v - m_safe) / l
+    tl.store(p_ptr + row * k + ks, p.to(p_ptr.dtype.element_ty), mask=ks < k)
+    tl.store(i_ptr + row * k + ks, col, mask=ks < k)
 
 
 def softmax_topk(x: torch.Tensor, k: int, *, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(torch.softmax(x, -1), k)`` in one pass over each row of ``x`` (fp16, bf16 or
     fp32, any shape, softmax over the last dimension); forward only. Returns probabilities in
     ``x``'s dtype and int64 indices, shape ``(..., k)``. ``block_size`` (a power of two) caps the
-    block the row is walked in; by default the launch rule of :func:`kernels.softmax.softmax`."""
+    block the row is walked in (raised to k's power of two); by default :func:`topk_launch`."""
     _check_input(x, -1)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"softmax_topk: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
@@ -122,8 +174,19 @@ def softmax_topk(x: torch.Tensor, k: int, *, block_size: int | None = None) -> t
     probs = torch.empty((n_rows, k), dtype=x.dtype, device=x.device)
     idx = torch.empty((n_rows, k), dtype=torch.int64, device=x.device)
     if n_rows:
-        lc = launch(n_rows, n_cols, x.dtype, block_size)
-        _softmax_topk_kernel[(n_rows,)](x2, probs, idx, n_cols, x2.stride(0), K=k,
-                                        BLOCK_K=triton.next_power_of_2(k), BLOCK_N=lc.block_n,
-                                        num_warps=lc.num_warps)
+        lc = topk_launch(n_cols, k, block_size)
+        _softmax_topk_kernel[(n_rows,)](x2, probs, idx, n_cols, x2.stride(0), k, BLOCK_K=lc.block_k,
+                                        BLOCK_N=lc.block_n, num_warps=lc.num_warps)
     return probs.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k)
+
+
+def aot_job(n_cols: int, k: int, dtype: torch.dtype, launch: TopkLaunch | None = None):
+    """The :class:`kernels.inspect.TritonJob` of the kernel that runs for rows of ``n_cols`` of
+    ``dtype`` and ``k`` (the launcher's own :func:`topk_launch`, or ``launch`` to compile another)."""
+    from kernels.inspect import TritonJob
+
+    lc = launch or topk_launch(n_cols, k)
+    t = triton_type(dtype)
+    return TritonJob(_softmax_topk_kernel, {"x_ptr": f"*{t}", "p_ptr": f"*{t}", "i_ptr": "*i64", "n_cols": "i32",
+                                            "stride_x": "i32", "k": "i32"},
+                     constexprs={"BLOCK_K": lc.block_k, "BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
