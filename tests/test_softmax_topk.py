@@ -150,12 +150,13 @@ def _aot_available() -> bool:
 
 @pytest.mark.skipif(not _aot_available(), reason="cuobjdump (pip nvidia-cuda-cuobjdump) is missing")
 def test_vocabulary_widths_compile_without_spills():
-    """Llama 3's 128256 and Qwen2.5-0.5B's 151936 columns, k in (1, 50, MAX_K), fp16 and bf16, with the
-    launcher's own choice (k is an argument: 50 and 64 share one kernel): no STL/LDL, no stack frame.
+    """Mistral-7B's 32000, Llama 3's 128256 and Qwen2.5-0.5B's 151936 columns, k in (1, 50, MAX_K),
+    fp16 and bf16, with the launcher's own choice (every width past 2048 columns gets the same launch,
+    and k is an argument: 50 and 64 share one kernel): no STL/LDL, no stack frame.
     The same kernel at the softmax launch rule's 16384 columns and 32 warps (64 registers a thread)
     spills, which shows the check can fail. One compile for all (about 20 s)."""
     jobs = {}
-    for n in (128256, 151936):
+    for n in (32000, 128256, 151936):
         for k in (1, 50, tk.MAX_K):
             for dtype in (torch.float16, torch.bfloat16):
                 jobs.setdefault((tk.topk_launch(n, k), dtype), tk.aot_job(n, k, dtype))
