@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from kernels.model import data

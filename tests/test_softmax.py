@@ -1,6 +1,5 @@
 """kernels.softmax: the fused and online Triton kernels, their backward, and the PyTorch references."""
 import math
-import warnings
 
 import kernels  # noqa: F401  (before triton)
 import pytest
