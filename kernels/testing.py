@@ -165,6 +165,22 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).abs()[finite].max()) if finite.any() else 0.0
 
 
+def stable_digits(x: float, digits: int, margin: float = 1e-4) -> str:
+    """``x`` formatted to ``digits`` decimals, after asserting that it lies at least ``margin`` from a
+    rounding boundary (..5 in the next digit). A value computed in floating point differs in its last
+    bits between CPUs (instruction set, BLAS, threads); printed this way, the stored digits are the
+    same on every machine whose error stays below ``margin``, and a value too close to call fails
+    loudly instead of printing a digit that another CPU would round the other way."""
+    if digits < 0 or margin < 0:
+        raise ValueError(f"digits and margin must be >= 0, got {digits} and {margin}")
+    scaled = abs(x) * 10**digits
+    distance = abs(scaled % 1 - 0.5) / 10**digits            # to the nearest rounding boundary
+    if not distance >= margin:                                 # NaN fails too
+        raise AssertionError(f"{x!r} is within {margin} of a rounding boundary at {digits} decimals: "
+                             "print a bound or fewer digits")
+    return f"{x:.{digits}f}"
+
+
 def nan_canary(x: torch.Tensor, pad: int = 64, *, rows: bool = False) -> torch.Tensor:
     """Return a view of a copy of ``x`` that sits inside a larger buffer filled with NaN.
 

@@ -134,3 +134,15 @@ def test_check_cases_names_the_failing_case():
 def test_max_error_ignores_matching_non_finite_values():
     a = torch.tensor([1.0, math.inf, 2.0])
     assert max_error(a, torch.tensor([1.5, math.inf, 2.0])) == 0.5
+
+
+def test_stable_digits_prints_only_digits_every_cpu_agrees_on():
+    from kernels.testing import stable_digits
+
+    assert stable_digits(1.6263, 2) == "1.63" and stable_digits(-0.4212, 1) == "-0.4"
+    with pytest.raises(AssertionError, match="rounding boundary"):
+        stable_digits(1.62500003, 2)                 # 1.625 +- a last bit: 1.62 on one CPU, 1.63 on another
+    with pytest.raises(AssertionError):
+        stable_digits(float("nan"), 2)
+    with pytest.raises(ValueError, match="digits and margin"):
+        stable_digits(1.0, -1)
