@@ -23,8 +23,6 @@ cover them.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -35,8 +33,6 @@ from kernels.rows import RowBudget, check_block_size, triton_type, warps_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_GELU_TANH_C = 0.044715
 # 8 elements a thread: 1024-element blocks take 4 warps.
 GLU_BUDGET = RowBudget(per_thread=8, max_block=1024)
 
