@@ -1,0 +1,94 @@
+"""The alpha-beta (latency-bandwidth) model of a collective, and its fit to measured timings.
+
+One message of n bytes over one link costs  t = alpha + n * beta : alpha the fixed cost of a
+message (software, synchronisation, wire latency), beta = 1 / bandwidth the cost per byte. A
+collective that runs ``steps`` dependent message rounds and sends ``n_sent`` bytes per rank on its
+critical path costs about  steps * alpha + n_sent * beta  (Hockney's model; Thakur, Rabenseifner
+and Gropp derive the collectives' terms in it). For p ranks and an n-byte buffer:
+
+  ring all-reduce        2 (p - 1) alpha + 2 (p - 1)/p * n beta
+  tree all-reduce        2 ceil(log2 p) (alpha + n beta)      (binomial tree, whole messages)
+  ring all-gather        (p - 1) alpha + (p - 1)/p * N beta   (N the gathered bytes)
+  ring reduce-scatter    (p - 1) alpha + (p - 1)/p * n beta
+
+Pure arithmetic: nothing here starts a process.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _check_p(p: int) -> None:
+    if not isinstance(p, int) or p < 1:
+        raise ValueError(f"p must be a positive int (ranks), got {p!r}")
+
+
+def ring_all_reduce_terms(n_bytes: float, p: int) -> tuple[int, float]:
+    """(steps, bytes per rank): 2 (p - 1) rounds, 2 (p - 1)/p * n bytes."""
+    _check_p(p)
+    return 2 * (p - 1), 2 * (p - 1) / p * n_bytes
+
+
+def tree_all_reduce_terms(n_bytes: float, p: int) -> tuple[int, float]:
+    """(steps, bytes on the critical path): 2 ceil(log2 p) rounds of whole n-byte messages."""
+    _check_p(p)
+    steps = 2 * math.ceil(math.log2(p)) if p > 1 else 0
+    return steps, steps * n_bytes
+
+
+def all_gather_terms(out_bytes: float, p: int) -> tuple[int, float]:
+    """(steps, bytes per rank) of the ring all-gather of an N-byte result: p - 1, (p - 1)/p * N."""
+    _check_p(p)
+    return p - 1, (p - 1) / p * out_bytes
+
+
+def reduce_scatter_terms(n_bytes: float, p: int) -> tuple[int, float]:
+    """(steps, bytes per rank) of the ring reduce-scatter of an n-byte input: p - 1, (p - 1)/p * n."""
+    return all_gather_terms(n_bytes, p)
+
+
+TERMS = {"ring": ring_all_reduce_terms, "tree": tree_all_reduce_terms,
+         "all_gather": all_gather_terms, "reduce_scatter": reduce_scatter_terms}
+
+
+def predict(algo: str, n_bytes: float, p: int, alpha: float, beta: float) -> float:
+    """Seconds: steps * alpha + bytes * beta for ``algo`` in TERMS."""
+    if algo not in TERMS:
+        raise ValueError(f"predict: algo must be one of {sorted(TERMS)}, got {algo!r}")
+    steps, sent = TERMS[algo](n_bytes, p)
+    return steps * alpha + sent * beta
+
+
+def fit_alpha_beta(steps, sent_bytes, seconds) -> tuple[float, float]:
+    """Least-squares alpha, beta >= 0 of  seconds ~ steps * alpha + sent_bytes * beta, the error
+    RELATIVE to each time (small messages weigh as much as large ones). A parameter the free fit
+    makes negative is pinned at 0 and the other refitted."""
+    a = torch.tensor([list(steps), list(sent_bytes)], dtype=torch.float64).T       # (m, 2)
+    t = torch.tensor(list(seconds), dtype=torch.float64)                          # (m,)
+    if a.shape[0] != t.shape[0] or a.shape[0] < 2:
+        raise ValueError(f"fit_alpha_beta: need >= 2 points of equal counts, got {a.shape[0]} and {t.shape[0]}")
+    if bool((t <= 0).any()):
+        raise ValueError("fit_alpha_beta: seconds must be positive")
+    w = a / t[:, None]                                                             # rows scaled by 1/t
+    one = torch.ones_like(t)
+    coef = torch.linalg.lstsq(w, one[:, None]).solution[:, 0]
+    if bool((coef < 0).any()):
+        keep = int(coef.argmax())
+        col = w[:, keep]
+        coef = torch.zeros(2, dtype=torch.float64)
+        coef[keep] = (col @ one) / (col @ col)
+    return float(coef[0]), float(coef[1])
+
+
+def crossover_bytes(p: int, alpha: float, beta: float) -> float:
+    """Message size below which the binomial tree all-reduce beats the ring (0: never; inf: always):
+    2 L (alpha + n beta) = 2 (p - 1) alpha + 2 (p - 1)/p n beta,  L = ceil(log2 p)."""
+    _check_p(p)
+    L = math.ceil(math.log2(p)) if p > 1 else 0
+    slope = 2 * L - 2 * (p - 1) / p                                   # beta coefficient, tree minus ring
+    gain = 2 * (p - 1) - 2 * L                                        # alpha coefficient, ring minus tree
+    if slope <= 0:
+        return math.inf
+    return gain * alpha / (slope * beta) if beta > 0 else math.inf
