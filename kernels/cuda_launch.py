@@ -73,7 +73,7 @@ def _argument(value):
         return ctypes.c_int(value)
     if isinstance(value, float):
         return ctypes.c_float(value)
-    if isinstance(value, ctypes._SimpleCData):
+    if isinstance(value, (ctypes._SimpleCData, ctypes.Structure)):
         return value
     raise TypeError(f"cannot pass {type(value).__name__} to a CUDA kernel: use a tensor, int, float or a ctypes value")
 
@@ -148,3 +148,34 @@ def load(name: str, *, arch: str | None = None) -> Module:
     handle = ctypes.c_void_p()
     _check(lib.cuModuleLoadData(ctypes.byref(handle), ctypes.c_char_p(image)), f"cuModuleLoadData({name}.cu, {target})")
     return Module(name, target, handle, build.ptx)
+
+
+class TensorMapArg(ctypes.Structure):
+    """A ``CUtensorMap``: 128 opaque bytes, passed to a kernel by value (``const __grid_constant__``).
+    The driver writes it only at a 64-byte aligned address: make it with :func:`aligned_tensor_map`."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def aligned_tensor_map() -> TensorMapArg:
+    """A zeroed :class:`TensorMapArg` at a 64-byte aligned address (ctypes aligns structures to 8)."""
+    buf = (ctypes.c_uint8 * (128 + 64))()
+    tmap = TensorMapArg.from_address((ctypes.addressof(buf) + 63) // 64 * 64)
+    tmap._buffer = buf          # keeps the memory alive as long as the map
+    return tmap
+
+
+def encode_tensor_map(arguments: dict) -> TensorMapArg:
+    """``cuTensorMapEncodeTiled`` with the arguments :meth:`kernels.ptx.tma.TensorMap.arguments`
+    lists (enums as ints, dimensions innermost first); the result is a kernel argument."""
+    lib = driver()
+    rank = arguments["tensorRank"]
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    tmap = aligned_tensor_map()
+    _check(lib.cuTensorMapEncodeTiled(
+        ctypes.byref(tmap), arguments["tensorDataType"], rank, ctypes.c_void_p(arguments["globalAddress"]),
+        (u64 * rank)(*arguments["globalDim"]), (u64 * max(rank - 1, 1))(*arguments["globalStrides"]),
+        (u32 * rank)(*arguments["boxDim"]), (u32 * rank)(*arguments["elementStrides"]),
+        arguments["interleave"], arguments["swizzle"], arguments["l2Promotion"], arguments["oobFill"]),
+        "cuTensorMapEncodeTiled")
+    return tmap
