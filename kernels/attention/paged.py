@@ -1,0 +1,218 @@
+"""Paged decode attention: one new query per sequence over a KV cache stored in fixed-size pages.
+
+A paged cache (kernels.serving.allocator) keeps every sequence's keys and values in pages of
+``page_size`` positions drawn from one pool, in any order; a page table maps the sequence's
+logical page i to a physical page:
+
+    position p of sequence b  ->  k_pages[block_table[b, p // P], :, p % P, :]        P = page_size
+
+and decode attention is the KV-cache chapter's, with one more indirection per page:
+
+    o[b, h] = sum_{lo_b <= j < L_b} softmax_j(q[b, h] . k_b[g(h), j] / sqrt(D)) v_b[g(h), j]
+
+with lo_b = 0, or lo_b = max(0, L_b - W) for a sliding window of W positions (the query at position
+L_b - 1 sees the W most recent keys, itself included).
+
+Shapes:
+    q            (B, Hq, D)
+    k_pages      (num_pages, Hkv, P, D)   one pool for all sequences; v_pages the same
+    block_table  (B, max_pages) int32     entries past a sequence's ceil(L_b / P) pages are ignored
+    seqlens      (B,) int32/int64         L_b, 0 <= L_b <= max_pages * P
+    output       (B, Hq, D)               zeros where L_b = 0
+
+One program per (sequence, K/V head), as the contiguous kernel (kernels.attention.decode), walking the
+sequence in tiles of BLOCK_S positions (BLOCK_S divides P, so a tile never straddles two pages):
+the tile's address is its physical page's, read from the table, plus its offset in the page, and
+the positions inside it are contiguous. With a window, tiles wholly before lo_b are never visited:
+the loop starts at tile lo_b // BLOCK_S. The design is vLLM's paged attention
+(vllm-project/vllm@cc17020a, csrc/attention/paged_attention_v1.cu: block_tables, one block per
+iteration); the code is written fresh.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import runtime
+from kernels.attention.decode import SUPPORTED_DTYPES, _load_group_queries, gpu_block_s
+
+LOG2E = 1.4426950408889634
+
+
+def gather_pages(pages: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one sequence, contiguous: (Hkv, length, D)."""
+    P = pages.shape[2]
+    n = -(-length // P)
+    chunks = pages[table_row[:n].long()]                       # (n, Hkv, P, D)
+    return chunks.permute(1, 0, 2, 3).reshape(pages.shape[1], n * P, pages.shape[3])[:, :length]
+
+
+def window_start(length: int, window: int | None) -> int:
+    """lo = max(0, L - W): the first key the last query sees (0 without a window)."""
+    return 0 if window is None else max(0, length - window)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                               block_table: torch.Tensor, seqlens: torch.Tensor, *,
+                               window: int | None = None) -> torch.Tensor:
+    """Gather every sequence's pages into a contiguous cache, then attention over [lo_b, L_b) in fp32
+    (fp64 for fp64 inputs)."""
+    B, Hq, D = q.shape
+    wide = torch.promote_types(q.dtype, torch.float32)
+    Hkv, P = k_pages.shape[1], k_pages.shape[2]
+    n = -(-int(seqlens.max()) // P) if B else 0                                  # pages of the longest
+    if n == 0:
+        return torch.zeros_like(q)
+    def gather(pages):                                                           # (B, Hq, n * P, D)
+        t = pages[block_table[:, :n].long()].permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * P, D)
+        return t.to(wide).repeat_interleave(Hq // Hkv, dim=1)
+    k, v = gather(k_pages), gather(v_pages)
+    j = torch.arange(n * P, device=q.device)[None, :]
+    L = seqlens.to(q.device).long()[:, None]
+    lo = L - window if window is not None else torch.zeros_like(L)
+    valid = (j < L) & (j >= lo)                                                  # (B, n * P): lo_b <= j < L_b
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) / math.sqrt(D)
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    probs = torch.where(valid[:, None, :], probs, torch.zeros_like(probs))       # L_b = 0: zeros, not NaN
+    out = torch.einsum("bhs,bhsd->bhd", probs, v.masked_fill(~valid[:, None, :, None], 0.0))
+    return out.to(q.dtype)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_ks, stride_kd,
+    stride_vp, stride_vh, stride_vs, stride_vd,
+    stride_tb, stride_ob, stride_oh, stride_od,
+    D, GROUP, WINDOW, scale_log2,
+    PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MASK_LENGTH: tl.constexpr,
+):
+    """One program per (sequence b, K/V head hk); one tile of BLOCK_S positions (a page, or a part of
+    one: BLOCK_S divides PAGE) per iteration, its address from the page table."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    L = tl.load(lens_ptr + b).to(tl.int32)                       # filled positions of sequence b
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - WINDOW, 0)                          # lo = max(0, L - W)
+    q = _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2,
+                            BLOCK_G, BLOCK_D)                   # (BLOCK_G, BLOCK_D), pre-scaled
+    s = tl.arange(0, BLOCK_S)                                   # offsets inside a sub-tile of a page
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for t in range(lo // BLOCK_S, tl.cdiv(L, BLOCK_S)):       # tiles of BLOCK_S positions covering [lo, L)
+        i = (t * BLOCK_S) // PAGE                               # logical page of this tile (BLOCK_S divides PAGE)
+        page = tl.load(table_ptr + b.to(tl.int64) * stride_tb + i).to(tl.int64)   # physical page id
+        first = t * BLOCK_S - i * PAGE                          # the tile's first slot inside that page
+        pos = t * BLOCK_S + s                                   # sequence positions of the tile
+        if MASK_LENGTH:
+            s_ok = (pos < L) & (pos >= lo)
+        else:
+            s_ok = pos >= lo                                    # broken on purpose: reads the last tile whole
+        kv_mask = s_ok[:, None] & d_ok[None, :]
+        k_off = page * stride_kp + hk.to(tl.int64) * stride_kh + (first + s)[:, None] * stride_ks   # int64
+        v_off = page * stride_vp + hk.to(tl.int64) * stride_vh + (first + s)[:, None] * stride_vs
+        k = tl.load(k_ptr + k_off + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
+        v = tl.load(v_ptr + v_off + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                  # (BLOCK_G, BLOCK_S), log2 units
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))           # finite: every visited tile meets [lo, L)
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)                       # l' = alpha l + sum p
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)   # acc' = alpha acc + p v
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]                # o = acc / l; empty sequence: 0
+    g = tl.arange(0, BLOCK_G)
+    offs = b.to(tl.int64) * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_ok[None, :])
+
+
+def check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window, name="paged_decode_attention"):
+    """Validate the arguments; errors name the argument and what was expected."""
+    for arg, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table),
+                   ("seqlens", seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != runtime.device().type:
+            raise ValueError(f"{name}: {arg} is on {t.device}, kernels run on {runtime.device()} here")
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be (B, Hq, D), got shape {tuple(q.shape)}")
+    if k_pages.dim() != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"{name}: k_pages and v_pages must both be (num_pages, Hkv, page_size, D), "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    B, Hq, D = q.shape
+    _, Hkv, P, Dk = k_pages.shape
+    if Dk != D:
+        raise ValueError(f"{name}: q has head dim {D} but k_pages has {Dk}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if P < 1 or P & (P - 1):
+        raise ValueError(f"{name}: page_size (k_pages.shape[2]) must be a power of two, got {P}")
+    if q.dtype not in SUPPORTED_DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise TypeError(f"{name}: q, k_pages, v_pages must share a dtype among float16, bfloat16, float32; "
+                        f"got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: block_table must be a (B={B}, max_pages) int32/int64 tensor, "
+                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    if seqlens.shape != (B,) or seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: seqlens must be a (B,)=({B},) int32/int64 tensor, got {tuple(seqlens.shape)} {seqlens.dtype}")
+    cap = block_table.shape[1] * P
+    if B and (int(seqlens.min()) < 0 or int(seqlens.max()) > cap):
+        raise ValueError(f"{name}: seqlens must lie in [0, max_pages * page_size = {cap}], got "
+                         f"min {int(seqlens.min())}, max {int(seqlens.max())}")
+    if B:
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * P < seqlens[:, None]
+        ids = block_table[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k_pages.shape[0]):
+            raise ValueError(f"{name}: block_table entries in use must lie in [0, num_pages={k_pages.shape[0]}), "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: window must be None or an int >= 1, got {window!r}")
+
+
+def default_block_s(group: int, head_dim: int, page_size: int) -> int:
+    """Positions per sub-tile: the whole page under the interpreter (fewer loop iterations); on a GPU
+    the contiguous kernel's tile (decode.gpu_block_s: a group x positions x head-dim product of at most
+    8192 fp32 values, no spills), capped by the page."""
+    if runtime.runtime().interpreted:
+        return page_size
+    return min(page_size, gpu_block_s(group, head_dim))
+
+
+def paged_grid(batch: int, kv_heads: int) -> tuple[int, int]:
+    """One program per (sequence, K/V head)."""
+    return (batch, kv_heads)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                           block_table: torch.Tensor, seqlens: torch.Tensor, *, window: int | None = None,
+                           block_s: int | None = None, mask_length: bool = True) -> torch.Tensor:
+    """Decode attention over a paged cache (shapes in the module docstring); ``window`` W keeps the W
+    most recent positions; ``block_s`` (a power of two <= page_size) the sub-tile, default
+    :func:`default_block_s`. ``mask_length=False`` is a deliberately broken variant for the tests."""
+    check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window)
+    if block_s is not None and (block_s < 1 or block_s & (block_s - 1) or block_s > k_pages.shape[2]):
+        raise ValueError(f"paged_decode_attention: block_s must be a power of two <= page_size, got {block_s!r}")
+    B, Hq, D = q.shape
+    Hkv, P = k_pages.shape[1], k_pages.shape[2]
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    table = block_table.contiguous()
+    _paged_decode_kernel[paged_grid(B, Hkv)](
+        q, k_pages, v_pages, table, seqlens, out,
+        *q.stride(), *k_pages.stride(), *v_pages.stride(), table.stride(0), *out.stride(),
+        D, Hq // Hkv, window or 0, LOG2E / math.sqrt(D),
+        PAGE=P, BLOCK_S=block_s or default_block_s(Hq // Hkv, D, P), BLOCK_G=triton.next_power_of_2(Hq // Hkv), BLOCK_D=triton.next_power_of_2(D),
+        HAS_WINDOW=window is not None, MASK_LENGTH=mask_length,
+    )
+    return out
