@@ -60,10 +60,11 @@ class RankTimeout(LaunchError):
 class Launch:
     """What a launch returned: ``results[r]`` is rank r's return value; ``start_seconds`` the wall
     time until every rank had joined the group (process start and imports), ``seconds`` until the
-    last result."""
+    last result; ``cpu_seconds[r]`` the CPU time rank r's process used (after its fork)."""
     results: list
     start_seconds: float
     seconds: float
+    cpu_seconds: list
 
 
 def free_port() -> int:
@@ -84,7 +85,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         out.put((rank, "ready", None))
         result = fn(rank, world_size, *args)
-        out.put((rank, "ok", result))
+        out.put((rank, "ok", (result, time.process_time())))
     except BaseException:  # noqa: BLE001 (the parent reports it, naming this rank)
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -93,13 +94,17 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
 
 
 def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, start_timeout: float = 120.0,
-           backend: str = "gloo") -> Launch:
+           backend: str = "gloo", preload: tuple[str, ...] = ()) -> Launch:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in one process group.
 
     Returns a :class:`Launch` with every rank's result. Raises :class:`RankFailed` naming the first
     rank that raised or died, or :class:`RankTimeout` naming the ranks that had not joined the group
     ``start_timeout`` seconds after the start, or had not returned ``timeout`` seconds after all
     joined; in every case all processes have been killed before the error is raised.
+
+    ``preload`` names more modules for the fork server to import once, before it forks the ranks
+    (e.g. ``torch._dynamo``, which ``torch.optim`` and FSDP2 import on first use: seconds per rank).
+    It takes effect when this process starts its fork server, i.e. at its first launch.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
@@ -110,7 +115,7 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, star
         raise ValueError("launch: fn must be a function defined at module level in an importable module "
                          f"(the ranks import it by name), got {fn!r}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kernels.dist.launch", "torch.distributed", fn.__module__])
+    ctx.set_forkserver_preload(["kernels.dist.launch", "torch.distributed", fn.__module__, *preload])
     out = ctx.Queue()
     port = free_port()
     start = time.perf_counter()
@@ -157,7 +162,8 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, star
                 p.kill()
                 p.join()
         out.close()
-    return Launch([results[r] for r in range(world_size)], started - start, seconds)
+    return Launch([results[r][0] for r in range(world_size)], started - start, seconds,
+                  [results[r][1] for r in range(world_size)])
 
 
 # ---------------------------------------------------------------- workers that go wrong on purpose
