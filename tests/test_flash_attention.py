@@ -307,3 +307,113 @@ def test_backward_with_a_broadcast_gradient():
     attention_ref(*low, True, upcast=False).sum().backward()
     for name, g, w, b in zip("qkv", got, wide, low):
         assert_close(g, w.grad, dtype=torch.float32, baseline=b.grad, name=f"d{name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# ALiBi: flash_attention(..., alibi_slopes=...) against attention with an explicit bias matrix
+
+
+def _alibi_ref(q, k, v, causal):
+    from kernels.position.alibi import alibi_attention_ref, alibi_slopes
+    slopes = alibi_slopes(q.shape[1]).to(DEVICE)
+    return alibi_attention_ref(_wide(q), _wide(k), _wide(v), slopes.to(_wide(q).dtype), causal), slopes
+
+
+ALIBI_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal
+    (2, 4, 2, 37, 37, 32, True),          # GQA, masked tail, several 16-blocks
+    (1, 6, 2, 20, 70, 40, True),          # 6 heads: the non-power-of-two slopes; Nq < Nk (decode-like)
+    (1, 3, 3, 33, 20, 16, False),         # symmetric bias without the mask; Nq > Nk
+    (1, 2, 1, 50, 30, 24, True),          # Nq > Nk: fully masked rows
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal", ALIBI_CASES)
+def test_alibi_forward_and_backward_match_explicit_bias(B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype, seed=20)
+    want, slopes = _alibi_ref(q, k, v, causal)
+    qc, kc, vc = (nan_canary(t, rows=True).requires_grad_() for t in (q, k, v))
+    got = flash_attention(qc, kc, vc, causal, alibi_slopes=slopes.float(), block_m=16, block_n=16)
+    from kernels.position.alibi import alibi_attention_ref
+    base = alibi_attention_ref(q, k, v, slopes.float(), causal).to(dtype)   # PyTorch's result, rounded to dtype
+    assert_close(got, want, dtype=dtype, baseline=base, factor=4, name="alibi forward")
+    assert not torch.isnan(got).any()
+    g = torch.Generator().manual_seed(21)
+    do = torch.randn(got.shape, generator=g).to(DEVICE, dtype)
+    got.backward(do)
+    qw, kw, vw = (_wide(t).requires_grad_() for t in (q, k, v))
+    alibi_attention_ref(qw, kw, vw, slopes.to(qw.dtype), causal).backward(_wide(do))
+    for name, a, b in (("dq", qc, qw), ("dk", kc, kw), ("dv", vc, vw)):
+        assert_close(a.grad, b.grad, dtype=dtype, baseline=b.grad.to(dtype), factor=4, name=f"alibi {name}")
+
+
+def test_alibi_matches_sdpa_with_a_float_mask():
+    """An independent formulation: SDPA with the bias (and -inf above the diagonal) as attn_mask."""
+    from kernels.position.alibi import alibi_bias, alibi_slopes
+    q, k, v = _qkv(1, 4, 4, 30, 30, 16, torch.float32, seed=22)
+    slopes = alibi_slopes(4)
+    mask = alibi_bias(slopes, 30, 30).masked_fill(~torch.ones(30, 30, dtype=torch.bool).tril(), float("-inf"))
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    base = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float())
+    assert_close(flash_attention(q, k, v, True, alibi_slopes=slopes.float()), want, dtype=torch.float32, baseline=base)
+
+
+def test_alibi_without_the_bias_is_caught():
+    """BIAS off in the forward (plain attention) or only in the backward (P recomputed without it)."""
+    q, k, v = _qkv(1, 4, 2, 40, 40, 16, torch.float32, seed=23)
+    want, slopes = _alibi_ref(q, k, v, True)
+    slopes = slopes.float()
+    out, _ = flash_mod._FlashAttentionAlibi.apply(q, k, v, slopes, True, 0.25, 16, 16, False, True)
+    with pytest.raises(MismatchError):
+        assert_close(out, want.float())
+    qa, qb = q.clone().requires_grad_(), q.clone().requires_grad_()
+    flash_mod._FlashAttentionAlibi.apply(qa, k, v, slopes, True, 0.25, 16, 16, True, True)[0].sum().backward()
+    flash_mod._FlashAttentionAlibi.apply(qb, k, v, slopes, True, 0.25, 16, 16, True, False)[0].sum().backward()
+    with pytest.raises(MismatchError):
+        assert_close(qb.grad, qa.grad)
+
+
+def test_alibi_with_zero_slopes_is_plain_attention():
+    q, k, v = _qkv(1, 2, 2, 25, 25, 16, torch.float32, seed=24)
+    zero = torch.zeros(2, device=DEVICE)
+    assert_close(flash_attention(q, k, v, True, alibi_slopes=zero), flash_attention(q, k, v, True), dtype=torch.float32)
+
+
+def test_alibi_bad_slopes_raise_clear_errors():
+    q, k, v = _qkv(1, 4, 2, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \(Hq,\) = \(4,\)"):
+        flash_attention(q, k, v, True, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="finite"):
+        flash_attention(q, k, v, True, alibi_slopes=torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor"):
+        flash_attention(q, k, v, True, alibi_slopes=[0.5] * 4)
+
+
+def test_alibi_kernels_compile_for_sm90_without_spills():
+    """The three ALiBi kernels at D = 128, fp16, with the launchers' default tiles and 8 warps: 64 x 64,
+    and 32 query rows for dQ (alibi_dq_block_m: 64 rows spill there, as they do for the plain dQ kernel)."""
+    from kernels import inspect as ki
+
+    def sig(kernel, consts):
+        out = {}
+        for n in kernel.arg_names:
+            if n in consts:
+                continue
+            if n.endswith("_ptr"):
+                out[n] = "*fp32" if n in ("lse_ptr", "delta_ptr", "slopes_ptr") else "*fp16"
+            else:
+                out[n] = "fp32" if n in ("qk_scale", "sm_scale") else "i32"
+        return out
+
+    jobs = []
+    dq_rows = flash_mod.alibi_dq_block_m(64, 128)
+    for kernel, bm, stages in ((flash_mod._flash_fwd_alibi_kernel, 64, 2), (flash_mod._flash_bwd_dkdv_alibi_kernel, 64, 1),
+                               (flash_mod._flash_bwd_dq_alibi_kernel, dq_rows, 1)):
+        consts = dict(CAUSAL=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32", BIAS=True)
+        jobs.append(ki.TritonJob(kernel, sig(kernel, consts), constexprs=consts, num_warps=8, num_stages=stages))
+    builds = [b["sm90"] for b in ki.compile_triton_many(jobs, archs=("sm90",))]
+    table = ki.resource_table([(j.kernel.fn.__name__, b) for j, b in zip(jobs, builds)])
+    assert dq_rows == 32
+    for b in builds:
+        assert b.spills == 0 and b.metadata["stack_bytes"] == 0, table

@@ -461,7 +461,8 @@ class _FlashAttention(torch.autograd.Function):
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     sm_scale: float | None = None, *, return_lse: bool = False,
-                    block_m: int | None = None, block_n: int | None = None):
+                    block_m: int | None = None, block_n: int | None = None,
+                    alibi_slopes: torch.Tensor | None = None):
     """Exact attention, FlashAttention-2 style, differentiable in q, k and v.
 
     q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv (K/V heads are shared by
@@ -469,10 +470,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     ``causal`` masks bottom-right aligned (query i sees key j <= i + Nk - Nq). ``sm_scale``
     defaults to 1/sqrt(D). Returns O (B, Hq, Nq, D) in q's dtype, and with ``return_lse`` also the
     log-sum-exp (B, Hq, Nq) in fp32 (-inf on fully masked rows, whose output is 0).
+    ``alibi_slopes`` (Hq,), one per query head, adds ALiBi's bias -slope_h |j - (i + Nk - Nq)| to
+    every score (forward and backward; see the ALiBi kernels below).
     """
     _check_inputs(q, k, v, sm_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    o, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, block_m, block_n)
+    if alibi_slopes is not None:
+        slopes = _check_slopes(alibi_slopes, q.shape[1], q)
+        o, lse = _FlashAttentionAlibi.apply(q, k, v, slopes, bool(causal), scale, block_m, block_n, True, True)
+    else:
+        o, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, block_m, block_n)
     return (o, lse) if return_lse else o
 
 
@@ -501,3 +508,289 @@ def flash_attention_v1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return o
     lse = torch.where(l > 0, (m + torch.log2(torch.where(l > 0, l, 1.0))) * LN2, float("-inf"))
     return o, lse.reshape(B, Hq, Nq)
+
+
+# ----------------------------------------------------------------------------------------------
+# ALiBi (Press, Smith and Lewis, 2022): a per-head linear bias on the scores, forward and backward
+#
+#     S_ij = sm_scale * q_i . k_j  -  slope_h * |j - (i + Nk - Nq)|
+#
+# (the distance from query i's own position, bottom-right aligned as the causal mask; with the
+# causal mask only j <= i + Nk - Nq remain and the bias is slope_h * (j - i - Nk + Nq), the paper's
+# form). The bias depends on no input, so the backward's formulas are unchanged: only the recomputed
+# P_ij = exp(S_ij - lse_i) must include it. These are separate kernels so that the plain ones above
+# (whose source the FlashAttention chapters print and compile) stay exactly as they are; a copy of
+# the loop with one added line each, and ``BIAS`` switches that line off to show the check catching it.
+
+
+@triton.jit
+def _alibi_bias(slope_log2, offs_m, offs_n, shift):
+    """-slope * |j - (i + shift)| in log2 units, (BLOCK_M, BLOCK_N)."""
+    dist = offs_n[None, :] - (offs_m[:, None] + shift)
+    return -slope_log2 * tl.abs(dist).to(tl.float32)
+
+
+@triton.jit
+def _flash_fwd_alibi_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh,
+    Hq, Nq, Nk, D, GROUP, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BIAS: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634   # this query head's slope, log2 units
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Nq
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    shift = Nk - Nq
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
+    else:
+        hi = Nk
+    for start_n in range(0, hi, BLOCK_N):
+        n = start_n + offs_n
+        n_ok = n < Nk
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if BIAS:
+            s = s + _alibi_bias(slope_log2, offs_m, n, shift)          # S_ij - slope |j - i'|
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+             o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _flash_bwd_dkdv_alibi_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    Hq, Hkv, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BIAS: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < Nk
+    d_ok = offs_d < D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    shift = Nk - Nq
+    if CAUSAL:
+        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634    # each query head of the group has its own
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_gb + h * stride_gh
+        row_base = (b * Hq + h) * Nq
+        for start_m in range(lo, Nq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < Nq
+            qm = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd, mask=qm, other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if BIAS:
+                s = s + _alibi_bias(slope_log2, offs_m, offs_n, shift)
+            visible = m_ok[:, None] & n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
+            p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)   # P with the bias
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+    dk = dk * sm_scale
+    tl.store(dk_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _flash_bwd_dq_alibi_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BIAS: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Nq
+    d_ok = offs_d < D
+    qm = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=qm, other=0.0)
+    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                 mask=qm, other=0.0)
+    lse = tl.load(lse_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(delta_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    shift = Nk - Nq
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
+    else:
+        hi = Nk
+    for start_n in range(0, hi, BLOCK_N):
+        n = start_n + offs_n
+        n_ok = n < Nk
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if BIAS:
+            s = s + _alibi_bias(slope_log2, offs_m, n, shift)
+        visible = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
+        p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    dq = dq * sm_scale
+    tl.store(dq_ptr + (bh * Nq + offs_m[:, None]) * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm)
+
+
+def _check_slopes(slopes, Hq: int, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"flash_attention: alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}")
+    if slopes.shape != (Hq,):
+        raise ValueError(f"flash_attention: alibi_slopes must be (Hq,) = ({Hq},), one per query head, "
+                         f"got {tuple(slopes.shape)}")
+    if not slopes.dtype.is_floating_point or not bool(torch.isfinite(slopes).all()):
+        raise ValueError("flash_attention: alibi_slopes must be finite floating-point numbers")
+    if slopes.device != q.device:
+        raise ValueError(f"flash_attention: alibi_slopes is on {slopes.device}, q on {q.device}")
+    return slopes.to(torch.float32).contiguous()
+
+
+def alibi_dq_block_m(block_m: int, block_d: int) -> int:
+    """Query rows per dQ program: at most 32 for head dims above 64. With 64 rows and D = 128 the dQ
+    kernel spills on sm_90a (28 STL+LDL at 8 warps; the plain dQ kernel's 64-row build spills 26);
+    with 32 it needs 218 registers and none spill."""
+    return min(block_m, 32) if block_d > 64 else block_m
+
+
+def _forward_alibi(q, k, v, slopes, causal: bool, sm_scale: float, *, block_m=None, block_n=None, bias=True):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
+    o = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    _flash_fwd_alibi_kernel[(triton.cdiv(Nq, bm), B * Hq)](
+        q, k, v, o, lse, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
+        Hq, Nq, Nk, D, Hq // Hkv, sm_scale * LOG2E,
+        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype), BIAS=bias,
+        num_warps=4 if bd <= 64 else 8, num_stages=2,
+    )
+    return o, lse
+
+
+def _backward_alibi(do, q, k, v, o, lse, slopes, causal: bool, sm_scale: float, *, block_m=None, block_n=None,
+                    bias=True):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, bm), B * Hq)](
+        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, D, BLOCK_M=bm, BLOCK_D=bd,
+    )
+    lse = lse.contiguous()
+    dq = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Nk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Nk, D), dtype=v.dtype, device=q.device)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
+                  BIAS=bias, num_warps=4 if bd <= 64 else 8, num_stages=1)
+    _flash_bwd_dkdv_alibi_kernel[(triton.cdiv(Nk, bn), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, slopes, *strides,
+        Hq, Hkv, Nq, Nk, D, Hq // Hkv, sm_scale, sm_scale * LOG2E, **consts,
+    )
+    consts["BLOCK_M"] = bm_dq = alibi_dq_block_m(bm, bd)
+    _flash_bwd_dq_alibi_kernel[(triton.cdiv(Nq, bm_dq), B * Hq)](
+        q, k, v, do, lse, delta, dq, slopes, *strides,
+        Hq, Nq, Nk, D, Hq // Hkv, sm_scale, sm_scale * LOG2E, **consts,
+    )
+    return dq, dk, dv
+
+
+class _FlashAttentionAlibi(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, causal, sm_scale, block_m, block_n, bias_fwd, bias_bwd):
+        o, lse = _forward_alibi(q, k, v, slopes, causal, sm_scale, block_m=block_m, block_n=block_n, bias=bias_fwd)
+        ctx.save_for_backward(q, k, v, o, lse, slopes)
+        ctx.args = (causal, sm_scale, block_m, block_n, bias_bwd)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, slopes = ctx.saved_tensors
+        causal, sm_scale, block_m, block_n, bias = ctx.args
+        dq, dk, dv = _backward_alibi(do, q, k, v, o, lse, slopes, causal, sm_scale, block_m=block_m,
+                                     block_n=block_n, bias=bias)
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -67,3 +67,23 @@ def mean_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def perplexity(nll: torch.Tensor) -> float:
     return math.exp(float(nll.mean()))
+
+
+@torch.no_grad()
+def position_nll(model: GPT, x: torch.Tensor, y: torch.Tensor, scaling: dict | None = None) -> torch.Tensor:
+    """Per-position mean NLL (T,) of windows x, y (N, T) with the model's RoPE scaled by ``scaling``
+    (kernels.position.scaling; ``"dynamic"`` gets the window length as its current length)."""
+    cfg = model.config
+    inv_freq, factor = rope_frequencies(cfg.head_dim, cfg.rope_theta, scaling, seq_len=x.shape[1])
+    return mean_nll(forward_at(model, x, inv_freq=inv_freq, attention_factor=factor), y)
+
+
+@torch.no_grad()
+def sliding_window_nll(model: GPT, tokens: torch.Tensor, start: int, end: int, window: int) -> torch.Tensor:
+    """NLL (end - start,) of predicting tokens[t + 1] from only the last ``window`` tokens ending at t,
+    for t in [start, end): what the model achieves when it is never shown more than it was trained on."""
+    if start < window - 1:
+        raise ValueError(f"sliding_window_nll: start={start} must be at least window - 1 = {window - 1}")
+    ctx = torch.stack([tokens[t - window + 1: t + 1] for t in range(start, end)])   # (end - start, window)
+    logits = forward_at(model, ctx)[:, -1]                                          # the last position of each
+    return F.cross_entropy(logits.float(), tokens[start + 1: end + 1], reduction="none")
