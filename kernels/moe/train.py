@@ -27,7 +27,7 @@ from kernels.moe.model import MODEL_DIR, MoEConfig, MoEGPT
 SEED = 1337
 VAL_WINDOWS = 16
 RESULTS = MODEL_DIR / "results.json"
-# method -> the config's balance setting; "none (sigmoid)" is the baseline the bias update starts from.
+# method -> the config's balance setting ("bias" routes with sigmoid scores; the others with softmax).
 METHODS = {"none": "none", "switch": "switch", "z": "z", "switch+z": "switch+z", "bias": "bias"}
 DEFAULTS = dict(steps=600, batch_size=16, max_lr=3e-3, min_lr=3e-4, warmup=30, weight_decay=0.1, eval_every=100)
 
