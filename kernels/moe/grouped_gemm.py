@@ -307,6 +307,12 @@ REAL_WIDTHS = {
 }
 
 
+def _aligned(signature: dict) -> list[str]:
+    """Arguments the JIT would mark 16-divisible: pointers, and the widths and strides (every width of
+    REAL_WIDTHS is a multiple of 16)."""
+    return [n for n, t in signature.items() if t.startswith("*") or n in ("N", "K") or n.startswith("stride")]
+
+
 def aot_jobs(arch: str = "sm90", dtype: str = "bf16") -> dict:
     """``{label: kernels.inspect.TritonJob}``: the forward (gather form) and weight-gradient kernels
     with the launchers' tiles for ``arch``, unit strides specialised as the JIT does. K and N are
@@ -318,15 +324,13 @@ def aot_jobs(arch: str = "sm90", dtype: str = "bf16") -> dict:
                "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32",
                "N": "i32", "K": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wk": "i32",
                "stride_cm": "i32"}
-    # 16-aligned pointers, and the widths and strides divisible by 16 (every width above is): what the
-    # JIT infers from real tensors, and what lets the loads be 16-byte vectors.
-    aligned = lambda sig: [n for n, t in sig.items() if t.startswith("*") or n in ("N", "K") or n.startswith("stride")]  # noqa: E731
-    fwd = ki.TritonJob(_grouped_gemm_kernel, fwd_sig, num_warps=warps, num_stages=stages, aligned=aligned(fwd_sig), constexprs=dict(
+    # _aligned: what the JIT infers from real tensors, and what lets the loads be 16-byte vectors.
+    fwd = ki.TritonJob(_grouped_gemm_kernel, fwd_sig, num_warps=warps, num_stages=stages, aligned=_aligned(fwd_sig), constexprs=dict(
         stride_ak=1, stride_wn=1, stride_cn=1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=True, UPCAST=False))
     wk, wn, wm, wwarps, wstages = WGRAD_TILES[arch]
     wg_sig = {"a_ptr": f"*{dtype}", "rows_ptr": "*i64", "dc_ptr": f"*{dtype}", "dw_ptr": f"*{dtype}",
               "offsets_ptr": "*i64", "K": "i32", "N": "i32", "stride_am": "i32", "stride_dcm": "i32",
               "stride_we": "i32", "stride_wk": "i32"}
-    wgrad = ki.TritonJob(_grouped_wgrad_kernel, wg_sig, num_warps=wwarps, num_stages=wstages, aligned=aligned(wg_sig), constexprs=dict(
+    wgrad = ki.TritonJob(_grouped_wgrad_kernel, wg_sig, num_warps=wwarps, num_stages=wstages, aligned=_aligned(wg_sig), constexprs=dict(
         stride_ak=1, stride_dcn=1, stride_wn=1, BLOCK_K=wk, BLOCK_N=wn, BLOCK_M=wm, GATHER=True, UPCAST=False))
     return {"grouped_gemm (gather)": fwd, "grouped_wgrad (gather)": wgrad}
