@@ -130,7 +130,8 @@ class EngineConfig:
 class Engine:
     """add(prompt ids, max_new_tokens) -> Sequence; step() advances every scheduled sequence by one run."""
 
-    def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), *, record_logits: bool = False):
+    def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), *, record_logits: bool = False,
+                 record_history: bool = True):
         self.model, self.config = model, config
         self.logits: dict[int, list[torch.Tensor]] | None = {} if record_logits else None   # per sequence id
         self.allocator = BlockAllocator(config.num_pages, config.page_size)
@@ -139,7 +140,8 @@ class Engine:
                                    chunk=config.chunk, prefix_cache=self.cache, policy=config.policy)
         self.runner = PagedRunner(model, config.num_pages, config.page_size, use_kernels=config.use_kernels)
         self.times = StepTimes()
-        self.history: list[list[tuple[int, int, bool]]] = []      # per step: (seq id, start, n tokens, sampled)
+        self.history: list[list[tuple[int, int, int, bool]]] = []  # per step: (seq id, start, n tokens, sampled)
+        self.record_history = record_history                       # off in a long-running server
         self._next_id = 0
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
@@ -195,7 +197,8 @@ class Engine:
         self.times.sample += t3 - t2
         self.times.steps += 1
         self.times.tokens += sum(len(w.tokens) for w in works)
-        self.history.append([(w.seq.id, w.start, len(w.tokens), w.sample) for w in works])
+        if self.record_history:
+            self.history.append([(w.seq.id, w.start, len(w.tokens), w.sample) for w in works])
         return out
 
     def run(self, max_steps: int = 100_000) -> None:

@@ -173,7 +173,7 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 def create_app(model: GPT | None = None, config: EngineConfig = EngineConfig()) -> FastAPI:
     """The FastAPI app with its engine thread (started with the app, stopped at shutdown)."""
-    engine = EngineThread(Engine(model if model is not None else load_pretrained(), config))
+    engine = EngineThread(Engine(model if model is not None else load_pretrained(), config, record_history=False))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
