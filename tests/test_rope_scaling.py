@@ -111,3 +111,24 @@ def test_bad_scaling_raises_clear_errors():
         rope_frequencies(32, 10000.0, {"type": "linear", "factor": 0.5})
     with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
         rope_frequencies(32, 10000.0, {"type": "llama3", "factor": 2.0, "original_max_position_embeddings": 64})
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiny GPT past its training length (kernels.position.yarn_finetune, committed results)
+
+
+def test_yarn_finetune_results_reproduce_and_hold():
+    import json
+
+    from kernels.position import yarn_finetune as yf
+    res = json.loads(yf.OUT.read_text())
+    before = yf.band_losses(yf.load_pretrained())
+    assert all(abs(a - b) < 1e-3 for a, b in zip(before, res["before"]))
+    assert all(b - a > 0.15 for a, b in zip(res["after"], res["before"]))
+    assert abs(res["after"][3] - res["sliding_window_448_510"]) < 0.01
+
+
+def test_yarn_finetune_runs_a_few_steps():
+    from kernels.position import yarn_finetune as yf
+    _, losses = yf.finetune(steps=2)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
