@@ -18,7 +18,7 @@ import torch
 from kernels import bench, runtime
 from kernels.gpu import hardware, roofline
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
 
 
 def _timed(impl: str, fn, *, bytes_moved: float, flops: float = 0.0, dtype: torch.dtype, **config) -> dict:
@@ -46,6 +46,59 @@ def matmul() -> list[dict]:
         for impl, fn in (("triton-tiled-64", lambda: triton_matmul(a, b)), ("torch.matmul", lambda: a @ b)):
             rows.append(_timed(impl, fn, bytes_moved=nbytes, flops=flops, dtype=a.dtype, M=n, N=n, K=n))
     return rows
+
+
+GEMM_SIZES = (4096, 8192)
+GEMM_STEPS = ("naive", "tiled", "grouped", "persistent", "torch.matmul")
+
+
+def gemm_plan(sizes=GEMM_SIZES) -> list[tuple[str, str, int]]:
+    """(impl, dtype, n) for every timed GEMM: each ladder step and cuBLAS in fp16 and bf16, the FP8
+    kernel and cuBLAS's FP8 (torch._scaled_mm) in fp8. The naive step only at the smaller size (at
+    8192^3 it runs for tens of seconds per call); the tiled step (kernels.gemm.matmul) has no bf16."""
+    plan = []
+    for n in sizes:
+        for dtype in ("fp16", "bf16"):
+            plan += [(step, dtype, n) for step in GEMM_STEPS
+                     if not (step == "naive" and n > min(sizes)) and not (step == "tiled" and dtype == "bf16")]
+        plan += [("fp8_matmul", "fp8", n), ("torch._scaled_mm", "fp8", n)]
+    return plan
+
+
+def add_cublas_fraction(rows: list[dict]) -> list[dict]:
+    """Each row's time as a fraction of cuBLAS's at the same size and dtype: cublas_ms / ms."""
+    cublas = {(r["M"], r["dtype"]): r["ms"] for r in rows if r["impl"] in ("torch.matmul", "torch._scaled_mm")}
+    for r in rows:
+        base = cublas.get((r["M"], r["dtype"]))
+        r["fraction_of_cublas"] = base / r["ms"] if base else None
+    return rows
+
+
+def gemm() -> list[dict]:
+    """The GEMM ladder (kernels.gemm) and the FP8 GEMM (kernels.quant.fp8) against cuBLAS at 4096^3 and
+    8192^3: times, TFLOP/s, fraction of the hardware peak (roofline.achieved) and of cuBLAS."""
+    from kernels.gemm import ladder, persistent
+    from kernels.gemm.matmul import matmul as tiled
+    from kernels.quant import fp8
+
+    torch_dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    rows = []
+    for impl, dtype, n in gemm_plan():
+        a = torch.randn(n, n, device="cuda")
+        b = torch.randn(n, n, device="cuda")
+        if dtype == "fp8":
+            (aq, sa), (bq, sb) = fp8.quantize_current(a), fp8.quantize_current(b)
+            bq_t = bq.t().contiguous().t()                    # cuBLAS's FP8 wants B column-major
+            fns = {"fp8_matmul": lambda: fp8.fp8_matmul(aq, bq, sa, sb, out_dtype=torch.bfloat16),
+                   "torch._scaled_mm": lambda: torch._scaled_mm(aq, bq_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)}
+        else:
+            a, b = a.to(torch_dtypes[dtype]), b.to(torch_dtypes[dtype])
+            fns = {"naive": lambda: ladder.matmul_naive(a, b), "tiled": lambda: tiled(a, b, block_m=128, block_n=128, block_k=64),
+                   "grouped": lambda: ladder.matmul(a, b), "persistent": lambda: persistent.matmul_persistent(a, b),
+                   "torch.matmul": lambda: a @ b}
+        flops, nbytes = roofline.matmul_counts(n, n, n, 1 if dtype == "fp8" else 2)
+        rows.append(_timed(impl, fns[impl], bytes_moved=nbytes, flops=flops, dtype=torch_dtypes[dtype], M=n, N=n, K=n))
+    return add_cublas_fraction(rows)
 
 
 def flash_attention() -> list[dict]:
@@ -163,6 +216,7 @@ BENCHMARKS = {
     "norms": norms,
     "gated-mlp": gated_mlp,
     "matmul": matmul,
+    "gemm": gemm,
     "memory-copy": memory_copy,
     "flash_attention": flash_attention,
     "flash_decode": flash_decode,

@@ -91,3 +91,17 @@ def test_roofline_fraction_of_a_measured_run():
     assert mm["bound"] == "compute" and mm["fraction_of_roofline"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="ms must be > 0"):
         roofline.achieved("H100", ms=0.0, bytes_moved=1.0)
+
+
+def test_gemm_plan_and_fraction_of_cublas():
+    from benchmarks.run import add_cublas_fraction, gemm_plan
+
+    plan = gemm_plan()
+    assert ("naive", "fp16", 4096) in plan and ("naive", "fp16", 8192) not in plan
+    assert ("tiled", "bf16", 4096) not in plan and ("grouped", "bf16", 8192) in plan
+    assert {(i, d) for i, d, n in plan if n == 8192} >= {("torch.matmul", "fp16"), ("torch.matmul", "bf16"),
+                                                         ("fp8_matmul", "fp8"), ("torch._scaled_mm", "fp8")}
+    rows = add_cublas_fraction([{"impl": "torch.matmul", "M": 4096, "dtype": "float16", "ms": 2.0},
+                                {"impl": "grouped", "M": 4096, "dtype": "float16", "ms": 4.0},
+                                {"impl": "grouped", "M": 8192, "dtype": "float16", "ms": 4.0}])
+    assert [r["fraction_of_cublas"] for r in rows] == [1.0, 0.5, None]
