@@ -92,3 +92,21 @@ def crossover_bytes(p: int, alpha: float, beta: float) -> float:
     if slope <= 0:
         return math.inf
     return gain * alpha / (slope * beta) if beta > 0 else math.inf
+
+
+def predict_system(system, algo: str, n_bytes: float, with_base: bool = True) -> float:
+    """Seconds for ``algo`` over a :class:`kernels.gpu.interconnect.System`: its GPU count as p, the
+    per-step latency of its slowest hop as alpha, the inverse of that hop's per-direction bandwidth
+    as beta, plus NCCL's fixed base latency of a call when ``with_base``."""
+    from kernels.gpu.interconnect import NCCL_BASE_US
+    base = NCCL_BASE_US * 1e-6 if with_base else 0.0
+    return base + predict(algo, n_bytes, system.gpus, system.alpha_s, system.beta_s_per_byte)
+
+
+def bus_bandwidth_gbs(algo_bandwidth_gbs: float, p: int, collective: str = "all_reduce") -> float:
+    """nccl-tests' bus bandwidth: algorithm bandwidth (bytes / time) times 2 (p - 1)/p for an
+    all-reduce, (p - 1)/p for all-gather and reduce-scatter: comparable with the link's speed."""
+    factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}
+    if collective not in factor:
+        raise ValueError(f"bus_bandwidth_gbs: collective must be one of {sorted(factor)}, got {collective!r}")
+    return algo_bandwidth_gbs * factor[collective]
