@@ -31,8 +31,8 @@ LINEARS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up",
 
 
 def load_model_f64() -> GPT:
-    """The committed tiny GPT (models/tiny-gpt), in float64 and eval mode."""
-    return load_pretrained().double()
+    """The committed tiny GPT (models/tiny-gpt), in float64 and eval mode, with no gradients."""
+    return load_pretrained().double().requires_grad_(False)
 
 
 def calibration_tokens(n_windows: int = 16, block_size: int = 128, seed: int = SEED) -> torch.Tensor:
