@@ -93,6 +93,26 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
             dist.destroy_process_group()
 
 
+_server_modules: set[str] = set()     # what the running fork server (if any) has imported
+
+
+def _fork_server_context(modules: set[str], extra: str):
+    """The forkserver context, its server importing ``modules`` (and ``extra``, the function's module,
+    when it starts). A server already running without some of ``modules`` is stopped first
+    (multiprocessing's ForkServer._stop), so that the next launch starts one that imports them
+    once, instead of every rank importing them again."""
+    import multiprocessing.forkserver as fs
+
+    global _server_modules
+    if not modules <= _server_modules:
+        if _server_modules:
+            fs._forkserver._stop()
+        _server_modules = _server_modules | modules
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(sorted(_server_modules | {extra}))
+    return ctx
+
+
 def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, start_timeout: float = 120.0,
            backend: str = "gloo", preload: tuple[str, ...] = ()) -> Launch:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in one process group.
@@ -104,7 +124,7 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, star
 
     ``preload`` names more modules for the fork server to import once, before it forks the ranks
     (e.g. ``torch._dynamo``, which ``torch.optim`` and FSDP2 import on first use: seconds per rank).
-    It takes effect when this process starts its fork server, i.e. at its first launch.
+    A running server that lacks one of them is replaced (see :func:`_fork_server_context`).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
@@ -114,8 +134,7 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, star
     if not callable(fn) or "<locals>" in getattr(fn, "__qualname__", "<locals>") or fn.__module__ == "__main__":
         raise ValueError("launch: fn must be a function defined at module level in an importable module "
                          f"(the ranks import it by name), got {fn!r}")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kernels.dist.launch", "torch.distributed", fn.__module__, *preload])
+    ctx = _fork_server_context({"kernels.dist.launch", "torch.distributed", *preload}, fn.__module__)
     out = ctx.Queue()
     port = free_port()
     start = time.perf_counter()
