@@ -81,3 +81,25 @@ def test_trl_peer_check_needs_a_trainer():
     function to call. Building a trainer needs a transformers model and a dataset, so the peer check is
     left out; the reference above is written from the papers' equations."""
     pytest.skip("TRL's preference losses are trainer methods (DPOTrainer._compute_loss), not callable alone")
+
+
+def test_committed_pairs_are_labelled_by_the_verifier_and_the_dpo_run_reproduces():
+    import json
+
+    from kernels.rl import sft, task
+    from kernels.rl.preference import train_preference
+
+    data = torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")
+    meta = json.loads((sft.OUT_DIR / "dpo" / "metrics.json").read_text())
+    assert len(data["pairs"]) == meta["pairs"]
+    assert bool(task.rewards(data["chosen"], data["pairs"]).eq(1).all())
+    assert bool(task.rewards(data["rejected"], data["pairs"]).eq(0).all())
+    log = sft.read_log(sft.OUT_DIR / "dpo" / "dpo.csv")
+    threads = torch.get_num_threads()
+    try:
+        rerun = train_preference("dpo", data, steps=meta["steps"], lr=meta["lr"], progress=False, stop_after=2)["log"]
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(rerun[1:3], log[1:3]):
+        for key in ("loss", "chosen_logratio", "rejected_logratio"):
+            assert abs(got[key] - want[key]) < 1e-3 * max(1.0, abs(want[key]))

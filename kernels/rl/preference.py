@@ -15,6 +15,9 @@ mismatched pairs; the chosen completion is the desirable example, the rejected o
 The kernel writes each pair's loss and its gradients in pc and pr in one pass; the losses are averaged
 over pairs. Broken variants for the tests: USE_REF=False drops the reference log-probs (DPO, IPO, KTO),
 NORMALIZE=False makes SimPO use summed instead of length-averaged log-probs.
+
+``python -m kernels.rl.preference`` builds pairs from the SFT model's own samples (the verifier of
+kernels.rl.task labels them) and trains DPO, IPO and SimPO on them: models/rl/dpo/.
 """
 from __future__ import annotations
 
@@ -162,3 +165,113 @@ def preference_loss(kind, pc, pr, qc, qr, lc=None, lr=None, *, beta=0.1, gamma=0
     z0 = float(kto_reference_point(t["pc"], t["pr"], t["qc"], t["qr"])) if kind == "kto" and use_ref else 0.0
     opts = {"kind": kind, "beta": float(beta), "gamma": float(gamma), "z0": z0}
     return _PreferenceLoss.apply(pc, pr, t, opts, {"USE_REF": bool(use_ref), "NORMALIZE": bool(normalize)})
+
+
+# ---------------------------------------------------------------- pairs from the model's own samples, and the runs
+
+def build_pairs(model, prompts_pairs: torch.Tensor, group_size: int, gen: torch.Generator) -> dict:
+    """Sample ``group_size`` answers per prompt; where a group has a right and a wrong answer, the first right
+    one is chosen and the first wrong one rejected (the verifier is the preference labeller)."""
+    from kernels.rl import task
+
+    rep = prompts_pairs.repeat_interleave(group_size, 0)
+    comp = task.sample(model, rep, temperature=1.0, generator=gen)
+    ok = task.rewards(comp, rep).view(-1, group_size)                       # (P, G)
+    keep = (ok.max(1).values == 1) & (ok.min(1).values == 0)
+    rows = keep.nonzero().squeeze(1)
+    base = rows * group_size
+    chosen = comp[base + ok[rows].argmax(1)]
+    rejected = comp[base + (1 - ok[rows]).argmax(1)]
+    return {"pairs": prompts_pairs[rows], "chosen": chosen, "rejected": rejected}
+
+
+def sequence_logprobs(model, completions: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob of each completion up to its END, its length in tokens)."""
+    from kernels.rl import task
+
+    mask = task.completion_mask(completions)
+    return (task.completion_logprobs(model, completions, pairs) * mask).sum(1), mask.sum(1)
+
+
+RUN_SETTINGS = {"dpo": {"beta": 0.1}, "ipo": {"beta": 0.1}, "simpo": {"beta": 2.0, "gamma": 1.0}}
+
+
+def train_preference(kind: str, data: dict, *, steps: int = 60, batch: int = 32, lr: float = 1e-4, seed: int = 0,
+                     eval_every: int = 20, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train the SFT checkpoint on fixed preference pairs with ``kind``'s loss (RUN_SETTINGS); returns {"log"}."""
+    import copy
+
+    from tqdm import tqdm
+
+    from kernels.rl import sft, task
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    policy = sft.load_sft().train()
+    reference = copy.deepcopy(policy).eval()
+    _, held_out = task.split_pairs()
+    with torch.no_grad():
+        qc_all, lc_all = sequence_logprobs(reference, data["chosen"], data["pairs"])
+        qr_all, lr_all = sequence_logprobs(reference, data["rejected"], data["pairs"])
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    log = [{"step": 0, "loss": "", "chosen_logratio": 0.0, "rejected_logratio": 0.0, "pair_accuracy": "",
+            "held_out_accuracy": task.accuracy(policy, held_out)}]
+    for step in tqdm(range(1, (stop_after or steps) + 1), desc=kind, disable=not progress):
+        idx = torch.randint(0, len(data["pairs"]), (batch,), generator=gen)
+        pc, _ = sequence_logprobs(policy, data["chosen"][idx], data["pairs"][idx])
+        pr, _ = sequence_logprobs(policy, data["rejected"][idx], data["pairs"][idx])
+        loss = preference_loss(kind, pc, pr, qc_all[idx], qr_all[idx], lc_all[idx], lr_all[idx], **RUN_SETTINGS[kind])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        rc, rr = (pc - qc_all[idx]).detach(), (pr - qr_all[idx]).detach()
+        row = {"step": step, "loss": round(float(loss.detach()), 5), "chosen_logratio": round(float(rc.mean()), 5),
+               "rejected_logratio": round(float(rr.mean()), 5), "pair_accuracy": round(float((rc > rr).float().mean()), 5),
+               "held_out_accuracy": ""}
+        if step % eval_every == 0 or step == steps:
+            row["held_out_accuracy"] = task.accuracy(policy, held_out)
+        log.append(row)
+    return {"log": log}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m kernels.rl.preference: pairs from the SFT model's samples, then DPO, IPO and SimPO runs on them;
+    writes models/rl/dpo/{pairs.pt, <kind>.csv, metrics.json}."""
+    import argparse
+    import csv
+    import json
+    import time
+
+    from kernels.rl import sft, task
+
+    p = argparse.ArgumentParser(prog="python -m kernels.rl.preference")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=1e-5)
+    args = p.parse_args(argv)
+    out = sft.OUT_DIR / "dpo"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    train_pairs, _ = task.split_pairs()
+    gen = torch.Generator().manual_seed(0)
+    data = build_pairs(sft.load_sft(), train_pairs[:1024], 8, gen)
+    torch.save(data, out / "pairs.pt")
+    meta = {"prompts": 1024, "group_size": 8, "pairs": len(data["pairs"]), "steps": args.steps, "batch": 32,
+            "lr": args.lr, "settings": RUN_SETTINGS, "torch": torch.__version__, "command": "python -m kernels.rl.preference"}
+    for kind in RUN_SETTINGS:
+        start = time.perf_counter()
+        log = train_preference(kind, data, steps=args.steps, lr=args.lr)["log"]
+        with open(out / f"{kind}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(log[0]))
+            writer.writeheader()
+            writer.writerows(log)
+        meta[f"{kind}_seconds"] = round(time.perf_counter() - start, 1)
+        meta[f"{kind}_held_out_accuracy"] = log[-1]["held_out_accuracy"]
+    (out / "metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(meta)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
