@@ -334,3 +334,10 @@ def smem_bandwidth_gbs(g: GPU | str) -> float:
     """Aggregate shared-memory bandwidth: SMs x 32 banks x 4 bytes x clock, in GB/s."""
     g = gpu(g)
     return g.sms * SMEM_BANKS * SMEM_BANK_BYTES * boost_clock_mhz(g) * 1e6 / 1e9
+
+
+# Thread block clusters (sm90 and later): at most 8 blocks per cluster portably; H100 accepts 16 when
+# the kernel opts in (cudaFuncAttributeNonPortableClusterSizeAllowed). CUDA C++ Programming Guide,
+# "Thread Block Clusters" (nvidia2025cudaguide).
+MAX_CLUSTER_SIZE_PORTABLE = 8
+MAX_CLUSTER_SIZE_NONPORTABLE = {"sm90": 16}

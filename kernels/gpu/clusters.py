@@ -1,0 +1,79 @@
+"""Thread block clusters and distributed shared memory, emulated: the cluster reduction of
+``kernels/cuda/cluster_reduce.cu`` run block by block under a chosen schedule, so that each of its
+two cluster barriers can be shown necessary.
+
+Sources: the CUDA C++ Programming Guide (``nvidia2025cudaguide``), "Thread Block Clusters" and
+"Distributed Shared Memory": the blocks of a cluster run at the same time, each can read and write
+the others' shared memory, and a block's shared memory must not be accessed after the block has
+exited, so blocks wait (``cluster.sync()``) until the others are done with it. The PTX ISA
+(``nvidia2025ptx``): ``mapa``, ``ld.shared::cluster``, ``barrier.cluster.arrive/wait``.
+
+In the emulation a block is an actor that runs until it reaches a cluster barrier. The schedule
+decides who runs first among the blocks that can run: ``"leader_first"`` (rank 0 first) exposes a
+read before the others have written; ``"followers_first"`` lets the other blocks finish and exit
+first, which exposes a read of an exited block's shared memory. A correct kernel gives the
+reference under both.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.gpu import hardware
+
+
+class DSMError(RuntimeError):
+    """A block read the shared memory of a block that has already exited."""
+
+
+def cluster_sum_ref(x: torch.Tensor, cluster: int, n_per_block: int) -> torch.Tensor:
+    """out[c] = sum of the cluster * n_per_block elements of cluster c, in float64."""
+    return x.double().reshape(-1, cluster * n_per_block).sum(1)
+
+
+def _block(rank, x, n_per_block, smem, out, exited, skip, cluster, first_block):
+    """One block of ``cluster_sum``: its partial into its shared memory, barrier 1, rank 0 reads
+    every partial through DSM, barrier 2, exit (its shared memory is gone)."""
+    start = (first_block + rank) * n_per_block
+    smem[rank] = x[start: start + n_per_block].double().sum()             # partial = sum of my elements
+    if not skip & 1:
+        yield "barrier 1"
+    if rank == 0:
+        total = 0.0
+        for peer in range(cluster):                                        # mapa + ld.shared::cluster
+            if exited[peer]:
+                raise DSMError(f"rank 0 read the shared memory of rank {peer}, which has exited")
+            total = total + smem[peer]
+        out.append(total)
+    if not skip & 2:
+        yield "barrier 2"
+    exited[rank] = True
+
+
+def cluster_sum(x: torch.Tensor, cluster: int = 4, n_per_block: int = 1024, *, skip: int = 0,
+                schedule: str = "leader_first") -> torch.Tensor:
+    """Emulate ``cluster_sum`` over ``x`` (a multiple of cluster * n_per_block elements). Shared
+    memory starts as NaN, so a partial read before it is written shows. ``skip`` drops barrier 1
+    (bit 0) and/or barrier 2 (bit 1), as the CUDA kernel's argument does."""
+    if x.dim() != 1 or x.numel() % (cluster * n_per_block):
+        raise ValueError(f"x must be 1-D with a multiple of cluster * n_per_block = {cluster * n_per_block} elements, "
+                         f"got shape {tuple(x.shape)}")
+    if not 1 <= cluster <= hardware.MAX_CLUSTER_SIZE_NONPORTABLE["sm90"]:
+        raise ValueError(f"cluster must be 1..{hardware.MAX_CLUSTER_SIZE_NONPORTABLE['sm90']} "
+                         f"({hardware.MAX_CLUSTER_SIZE_PORTABLE} portably), got {cluster}")
+    if schedule not in ("leader_first", "followers_first"):
+        raise ValueError(f"schedule must be 'leader_first' or 'followers_first', got {schedule!r}")
+    results = []
+    for c in range(x.numel() // (cluster * n_per_block)):
+        smem = [torch.tensor(float("nan"), dtype=torch.float64) for _ in range(cluster)]
+        exited = [False] * cluster
+        out: list = []
+        order = list(range(cluster)) if schedule == "leader_first" else list(range(1, cluster)) + [0]
+        actors = {r: _block(r, x, n_per_block, smem, out, exited, skip, cluster, c * cluster) for r in order}
+        while actors:                                      # run everyone to the next barrier, in schedule order
+            for r in list(actors):
+                try:
+                    next(actors[r])
+                except StopIteration:
+                    del actors[r]
+        results.append(out[0])
+    return torch.stack(results)
