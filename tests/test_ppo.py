@@ -128,3 +128,25 @@ def test_gae_kernel_matches_reference_with_padding(B, T):
             assert_close(broken, gae_ref(r, v, m, 0.9, 0.8)[0], name="gae without bootstrap")
     with pytest.raises(ValueError, match="gamma and lam"):
         gae(r, v, m, 1.5, 0.9)
+
+
+def test_token_rewards_put_the_task_reward_on_the_last_real_token():
+    from kernels.rl.ppo_run import token_rewards
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]])
+    z = torch.zeros(2, 4)
+    r = token_rewards(torch.tensor([1.0, 0.5]), z + 0.1, z, mask, kl_coef=0.5)
+    assert torch.allclose(r, torch.tensor([[-0.05, 0.95, 0, 0], [-0.05, -0.05, -0.05, 0.45]]))
+
+
+def test_committed_ppo_run_reproduces_its_first_step():
+    import json
+
+    from kernels.rl import ppo_run, sft
+    log = sft.read_log(sft.OUT_DIR / "ppo" / "log.csv")
+    meta = json.loads((sft.OUT_DIR / "ppo" / "metrics.json").read_text())
+    threads = torch.get_num_threads()
+    try:
+        got = ppo_run.train_ppo(None, steps=meta["steps"], progress=False, stop_after=1)["log"][1]
+    finally:
+        torch.set_num_threads(threads)
+    assert got["reward"] == log[1]["reward"] and abs(got["value_error"] - log[1]["value_error"]) < 1e-4
