@@ -435,3 +435,23 @@ if __name__ == "__main__":  # the compile subprocess of compile_triton_archs
     except Exception as err:
         print(f"{type(err).__name__}: {err}", file=sys.stderr)
         sys.exit(1)
+
+
+def param_product_widths(build, index: int) -> set[int]:
+    """The widths of the integer products the kernel's runtime parameter ``index`` enters in the PTX:
+    64 where it is read sign-extended into a 64-bit register (ld.param %rd, cvt.s64.s32,
+    mul.wide.s32), 32 where its 32-bit register enters a mul.lo.s32 / mad.lo.s32. The PTX numbers
+    the parameters that are not constexprs, in order."""
+    name = build.metadata["name"]
+    load = re.search(rf"ld\.param\.[bsu](?:32|64)\s+(%rd?\d+), \[{name}_param_{index}\];", build.ptx)
+    if load is None:
+        raise ValueError(f"param_product_widths: parameter {index} is not read in the PTX of {name}")
+    reg = load.group(1)
+    if reg.startswith("%rd"):
+        return {64}
+    widths = set()
+    if re.search(rf"(cvt\.s64\.s32\s+%rd\d+, |mul\.wide\.s32\s+%rd\d+,[^;]*[ ,]){reg}\b", build.ptx):
+        widths.add(64)
+    if re.search(rf"(mul|mad)\.lo\.s32\s+%r\d+,[^;]*[ ,]{reg}\b", build.ptx):
+        widths.add(32)
+    return widths

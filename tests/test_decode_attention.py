@@ -2,7 +2,6 @@
 in one pass or split across programs (the split kernel, the combine, the choice of the split count)."""
 import kernels  # noqa: F401  (before triton)
 import math
-import re
 
 import pytest
 import torch
@@ -347,22 +346,9 @@ def test_sm90_spill_check_catches_an_oversized_tile(sm90_builds):
 
 
 def _product_widths(build, kernel, arg):
-    """The widths of the integer products that argument ``arg`` enters in the PTX: 64 where it is read
-    sign-extended into a 64-bit register (ld.param.s32 %rd, cvt.s64.s32, mul.wide.s32), 32 where
-    its 32-bit register enters a mul.lo.s32 / mad.lo.s32."""
+    """The widths of the integer products that argument ``arg`` enters in the PTX (kernels.inspect)."""
     index = kernel.arg_names.index(arg)              # constexprs come last: PTX numbers the others in order
-    name = build.metadata["name"]
-    load = re.search(rf"ld\.param\.[bs]32\s+(%rd?\d+), \[{name}_param_{index}\];", build.ptx)
-    assert load, f"{arg} (param {index}) is not read in the PTX of {name}"
-    reg = load.group(1)
-    if reg.startswith("%rd"):
-        return {64}
-    widths = set()
-    if re.search(rf"(cvt\.s64\.s32\s+%rd\d+, |mul\.wide\.s32\s+%rd\d+,[^;]*[ ,]){reg}\b", build.ptx):
-        widths.add(64)
-    if re.search(rf"(mul|mad)\.lo\.s32\s+%r\d+,[^;]*[ ,]{reg}\b", build.ptx):
-        widths.add(32)
-    return widths
+    return ki.param_product_widths(build, index)
 
 
 def test_ptx_uses_64bit_products_for_batch_and_head_offsets(sm90_builds):

@@ -2,7 +2,6 @@
 forward and backward) against a per-expert loop, its tile schedule, and its sm90 builds at
 Mixtral and DeepSeek-V3 widths."""
 import kernels  # noqa: F401  (before triton)
-import re
 
 import pytest
 import torch
@@ -170,20 +169,8 @@ def test_sm90_spill_check_catches_an_oversized_tile(sm90_builds):
 
 def _param_widths(build, job, arg):
     """64 if the argument is sign-extended into a 64-bit product in the PTX, 32 if it enters a 32-bit one."""
-    kernel = job.kernel
-    index = [n for n in kernel.arg_names if n not in job.constexprs].index(arg)   # the PTX numbers the runtime args
-    name = build.metadata["name"]
-    load = re.search(rf"ld\.param\.[bsu](?:32|64)\s+(%rd?\d+), \[{name}_param_{index}\];", build.ptx)
-    assert load, f"{arg} (param {index}) is not read in the PTX of {name}"
-    reg = load.group(1)
-    if reg.startswith("%rd"):
-        return {64}
-    widths = set()
-    if re.search(rf"(cvt\.s64\.s32\s+%rd\d+, |mul\.wide\.s32\s+%rd\d+,[^;]*[ ,]){reg}\b", build.ptx):
-        widths.add(64)
-    if re.search(rf"(mul|mad)\.lo\.s32\s+%r\d+,[^;]*[ ,]{reg}\b", build.ptx):
-        widths.add(32)
-    return widths
+    index = [n for n in job.kernel.arg_names if n not in job.constexprs].index(arg)   # the PTX numbers the runtime args
+    return ki.param_product_widths(build, index)
 
 
 def test_ptx_uses_64bit_products_for_token_rows_and_experts(sm90_builds):
