@@ -184,6 +184,22 @@ class Build:
         ops = instructions(self.sass, "sass")
         return sum(n for op, n in ops.items() if op.split(".")[0] in ("STL", "LDL"))
 
+    @property
+    def async_copies(self) -> dict[str, int]:
+        """How the kernel fills shared memory: cp.async (SASS ``LDGSTS``) and TMA (``UTMALDG``) counts.
+
+        Both zero means every tile goes through registers (LDG then STS), so ``num_stages`` bought
+        no pipeline even if the shared memory holds several buffers."""
+        fam = self.families("sass")
+        return {"LDGSTS": fam["LDGSTS"], "UTMALDG": fam["UTMALDG"]}
+
+    @property
+    def tensor_core(self) -> str:
+        """The tensor-core instruction family in the SASS (HMMA, HGMMA, QGMMA, UTCHMMA ...), or "-"."""
+        fam = self.families("sass")
+        found = sorted(f for f in fam if f in _TENSOR_CORE_SASS)
+        return "+".join(found) or "-"
+
 
 def compile_triton(
     kernel,
@@ -233,7 +249,14 @@ def compile_triton_archs(
 
 @dataclass
 class TritonJob:
-    """One kernel to compile ahead of time, with its launch choices (see :func:`compile_triton`)."""
+    """One kernel to compile ahead of time, with its launch choices.
+
+    Build one with :func:`launch_job` from the arguments a real launch would pass: then the
+    signature, the constexprs and the divisibility attributes are the ones Triton's own binder
+    derives on a GPU (integers equal to 1 become constexprs, integers and pointers divisible by 16
+    carry ``tt.divisibility``). A hand-written ``signature`` (see :func:`compile_triton`) is still
+    possible; then ``aligned`` names the arguments marked divisible by 16 (by default every pointer).
+    """
 
     kernel: object
     signature: dict[str, str]
@@ -241,14 +264,125 @@ class TritonJob:
     num_warps: int = 4
     num_stages: int = 3
     aligned: list[str] | None = None
+    # Set by launch_job: {argument: [["tt.divisibility", 16]]}, exactly what the binder derived.
+    attrs: dict[str, list] | None = None
+    options: dict = field(default_factory=dict)  # further launch options (maxnreg, num_ctas ...)
 
     def spec(self) -> dict:
         fn = getattr(self.kernel, "fn", self.kernel)
         module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
         if not module or not name or module == "__main__":
             raise ValueError("compile_triton needs a @triton.jit kernel defined at module level in an importable module")
-        return {"module": module, "name": name, "signature": self.signature, "constexprs": self.constexprs,
-                "num_warps": self.num_warps, "num_stages": self.num_stages, "aligned": self.aligned}
+        return {"module": module, "name": name, "signature": self.signature,
+                "constexprs": {k: _encode_constexpr(v) for k, v in self.constexprs.items()},
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "aligned": self.aligned,
+                "attrs": self.attrs, "options": self.options}
+
+    def specialization(self) -> str:
+        """One line per runtime argument: its type and what the launch specialised it to.
+
+        ``K: i32 %16`` (divisible by 16), ``stride_ak: =1`` (a constexpr 1, folded into the code),
+        ``a_ptr: *fp16 %16`` (16-byte aligned), ``N: i32`` (no hint: a value not divisible by 16)."""
+        divisible = self._divisible()
+        lines = []
+        for arg in _arg_names(self.kernel):
+            kind = self.signature.get(arg)
+            if kind is None or (kind == "constexpr" and arg not in self.constexprs):
+                continue
+            if kind == "constexpr":
+                if _is_specialised_runtime_arg(self.kernel, arg):
+                    lines.append(f"{arg}: ={self.constexprs[arg]!r}")
+                continue
+            lines.append(f"{arg}: {kind}{' %16' if arg in divisible else ''}")
+        return "\n".join(lines)
+
+    def _divisible(self) -> set[str]:
+        if self.attrs is not None:
+            return {a for a, v in self.attrs.items() if ["tt.divisibility", 16] in v}
+        pointers = [n for n, t in self.signature.items() if t.startswith("*")]
+        return set(pointers if self.aligned is None else self.aligned)
+
+
+def _arg_names(kernel) -> list[str]:
+    import inspect as pyinspect
+
+    return list(pyinspect.signature(getattr(kernel, "fn", kernel)).parameters)
+
+
+def _is_specialised_runtime_arg(kernel, arg: str) -> bool:
+    """True for an argument the kernel does not declare ``tl.constexpr`` (a launch folded it to a value)."""
+    import inspect as pyinspect
+
+    param = pyinspect.signature(getattr(kernel, "fn", kernel)).parameters[arg]
+    return "constexpr" not in str(param.annotation)
+
+
+def launch_job(kernel, *args, target: str | int = "sm90", **kwargs) -> TritonJob:
+    """The job a launch ``kernel[grid](*args, **kwargs)`` on an NVIDIA GPU would compile.
+
+    The arguments are what the launcher passes: tensors (real ones, or on the ``meta`` device to
+    describe a real model's sizes without the memory), integers, floats, constexprs and the launch
+    options (``num_warps``, ``num_stages``, ``maxnreg`` ...). Triton's own binder
+    (``triton.runtime.jit.create_function_from_signature`` with the CUDA backend) specialises them
+    exactly as on a GPU: an integer equal to 1 becomes a constexpr, an integer or a pointer divisible
+    by 16 carries ``tt.divisibility``, ``do_not_specialize`` is honoured. No GPU and no driver are
+    needed, and nothing is launched.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = getattr(kernel, "fn", kernel)
+    if isinstance(kernel, JITFunction):
+        jit = kernel
+    else:  # the interpreter's wrapper keeps the decorator's arguments (do_not_specialize ...)
+        jit = JITFunction(fn, **getattr(kernel, "kwargs", {}))
+    names = jit.arg_names
+    missing = [p.name for p in jit.params[len(args):] if p.name not in kwargs and not p.has_default]
+    if missing:
+        raise TypeError(f"launch_job({fn.__name__}): no value for {missing}: pass every argument the launch passes")
+    backend = make_backend(GPUTarget("cuda", parse_arch(target).capability, 32))
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound, specialization, option_kwargs = binder(*args, **kwargs)
+    unknown = set(option_kwargs) - set(backend.parse_options({}).__dict__)
+    if unknown:
+        raise TypeError(f"launch_job({fn.__name__}): {sorted(unknown)} are neither arguments nor launch options")
+    options, signature, constexprs, attrs = jit._pack_args(backend, option_kwargs, bound, specialization, option_kwargs)
+    nested = [path for path in (*constexprs, *attrs) if len(path) != 1]
+    if nested:
+        raise ValueError(f"launch_job({fn.__name__}): tuple arguments are not supported (paths {nested})")
+    extra = {k: v for k, v in option_kwargs.items() if k not in ("num_warps", "num_stages")}
+    return TritonJob(
+        kernel, dict(signature), constexprs={names[p[0]]: v for p, v in constexprs.items()},
+        num_warps=options.num_warps, num_stages=options.num_stages,
+        attrs={names[p[0]]: v for p, v in attrs.items() if v}, options=extra,
+    )
+
+
+def _encode_constexpr(value):
+    """A constexpr value as JSON for the compile subprocess (``tl.float16`` and jitted helpers too)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if type(value).__name__ == "dtype" and hasattr(value, "primitive_bitwidth"):
+        return {"tl_dtype": str(value)}
+    fn = getattr(value, "fn", None)
+    if fn is not None and getattr(fn, "__module__", None):
+        return {"jit_function": f"{fn.__module__}:{fn.__qualname__}"}
+    raise ValueError(f"constexpr value {value!r} of type {type(value).__name__} cannot be sent to the compiler")
+
+
+def _decode_constexpr(value):
+    if isinstance(value, dict) and "tl_dtype" in value:
+        import triton.language as tl
+
+        return tl.dtype(value["tl_dtype"])
+    if isinstance(value, dict) and "jit_function" in value:
+        module, qualname = value["jit_function"].split(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+    return value
 
 
 def compile_triton_many(jobs: list[TritonJob], *, archs=("sm90",)) -> list[dict[str, Build]]:
@@ -282,13 +416,18 @@ def resource_table(entries: list[tuple[str, Build]]) -> str:
     """A text table of what each compiled case costs per thread: ``entries`` are (label, Build).
 
     Registers and the stack frame come from ``cuobjdump --dump-resource-usage`` (spilled registers
-    live in the stack frame, not in LOCAL); STL/LDL count the spill stores and loads in the SASS.
+    live in the stack frame, not in LOCAL); STL/LDL count the spill stores and loads in the SASS;
+    shared memory and stages come from the compiler's metadata, LDGSTS (cp.async) and UTMALDG (TMA)
+    count the asynchronous copies that make those stages a pipeline.
     Every column is a compile-time fact, the same on every machine that runs the same compiler."""
-    rows = [("case", "arch", "warps", "registers", "stack bytes", "STL+LDL")]
+    rows = [("case", "arch", "warps", "registers", "stack bytes", "STL+LDL", "smem KiB", "stages", "LDGSTS",
+             "UTMALDG")]
     for label, b in entries:
         m = b.metadata
+        copies = b.async_copies
         rows.append((label, b.arch.nvcc_arch, str(m["num_warps"]), str(m["registers"]), str(m["stack_bytes"]),
-                     str(b.spills)))
+                     str(b.spills), f"{m['shared_bytes'] / 1024:.0f}", str(m["num_stages"]), str(copies["LDGSTS"]),
+                     str(copies["UTMALDG"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows)
@@ -313,16 +452,20 @@ def _compile_in_this_process(spec: dict) -> list[dict]:
     unknown = set(spec["signature"]) - set(fn.arg_names)
     if unknown:
         raise ValueError(f"signature names arguments {sorted(unknown)} that {fn.__name__} does not have")
-    pointers = [n for n, t in full_signature.items() if t.startswith("*")]
-    marked = pointers if spec["aligned"] is None else spec["aligned"]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in marked}
+    if spec.get("attrs") is not None:  # derived by launch_job: Triton's own binder decided
+        attrs = {(fn.arg_names.index(n),): v for n, v in spec["attrs"].items()}
+    else:
+        pointers = [n for n, t in full_signature.items() if t.startswith("*")]
+        marked = pointers if spec["aligned"] is None else spec["aligned"]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in marked}
+    constexprs = {k: _decode_constexpr(v) for k, v in constexprs.items()}
     source = ASTSource(fn=fn, signature=full_signature, constexprs=constexprs, attrs=attrs)
     results = []
     for cap in spec["archs"]:
         try:
             compiled = triton.compile(
                 source, target=GPUTarget("cuda", cap, 32),
-                options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]},
+                options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"], **spec.get("options", {})},
             )
         except Exception as err:  # triton raises several types; keep its message, name the kernel
             first = str(err).strip().splitlines()
@@ -373,6 +516,11 @@ def compile_cuda(source: str | os.PathLike, *, arch: str | int, flags: tuple[str
 
 # ----------------------------------------------------------------------------------------------
 # Reading instructions
+
+# SASS families that run on the tensor cores: mma.sync (HMMA, IMMA, QMMA), wgmma (HGMMA, IGMMA,
+# QGMMA) and tcgen05.mma (UTCHMMA, UTCIMMA, UTCQMMA, UTCOMMA for the block-scaled kinds).
+_TENSOR_CORE_SASS = {"HMMA", "IMMA", "QMMA", "HGMMA", "IGMMA", "QGMMA", "UTCHMMA", "UTCIMMA", "UTCQMMA",
+                     "UTCOMMA", "UTCMMA", "OMMA"}
 
 _PTX_LINE = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+)*)[\s;]")
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
