@@ -1,5 +1,6 @@
 """kernels.quant.fp8: the codecs against PyTorch over every code and every rounding midpoint, the
-scaling rules, and the FP8 GEMM against its reference (interpreter) and in AOT SASS."""
+scaling rules (per tensor and row-wise, clamped before the cast), the FP8 GEMM against its reference
+(interpreter) and in AOT SASS at Llama-3 sizes, and the three GEMMs of an FP8 training step."""
 import pytest
 import torch
 
@@ -117,18 +118,112 @@ def test_fp8_matmul_bad_input():
         F.fp8_matmul(aq, bq, sa, sb.double())
 
 
-SIG = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
-       **{k: "i32" for k in ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn"]}}
+def test_quantize_clamps_before_the_cast():
+    """Out-of-range values land on +-max in both formats, whatever the conversion would do on its own."""
+    x = torch.tensor([1e6, -1e6, 449.0, 500.0])
+    assert F.quantize(x, torch.tensor(1.0), "e4m3").float().tolist() == [448.0, -448.0, 448.0, 448.0]
+    assert F.quantize(x * 1e3, torch.tensor(1.0), "e5m2").float().abs().max().item() == 57344.0
+    assert torch.isinf(x.mul(1e3).to(torch.float8_e5m2).float()).all()            # the bare cast overflows
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.full((2,), 449.0, dtype=torch.float8_e4m3fn)                          # and this path raises
 
 
-def test_fp8_gemm_aot_qgmma_on_sm90_no_spills_and_no_fp8_on_sm80():
-    bm, bn, bk, w = F.GPU_TILE
-    tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DEQUANT="multiply")
-    builds = ki.compile_triton_many([ki.TritonJob(F._fp8_matmul_kernel, SIG, constexprs=tile, num_warps=w)],
-                                    archs=("sm89", "sm90", "sm100"))[0]
-    assert builds["sm89"].families()["QMMA"] > 0
-    assert builds["sm90"].families()["QGMMA"] > 0
-    assert builds["sm100"].families()["UTCQMMA"] > 0
-    assert all(b.spills == 0 for b in builds.values())
+def test_rowwise_scales_map_each_row_amax_to_448():
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(9, 40, generator=g) * torch.logspace(-3, 3, 9)[:, None]        # rows six decades apart
+    q, s = F.quantize_rowwise(a, "e4m3", dim=1)
+    assert s.shape == (9,) and torch.equal(q.float().abs().amax(1), torch.full((9,), 448.0))
+    qt, st = F.quantize_current(a)
+    row_err = ((q.float() * s[:, None] - a).abs() / a.abs().amax(1, keepdim=True)).max()
+    tensor_err = ((qt.float() * st - a).abs() / a.abs().amax(1, keepdim=True)).max()
+    assert row_err < 2**-4 < tensor_err                       # one scale per tensor flushes the small rows
+    with pytest.raises(ValueError, match="2-D"):
+        F.quantize_rowwise(a[0])
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 17, 130), (70, 45, 90)])
+def test_rowwise_fp8_matmul_matches_reference(m, k, n):
+    g = torch.Generator().manual_seed(m)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    (aq, sa), (bq, sb) = F.quantize_rowwise(a, dim=1), F.quantize_rowwise(b, dim=0)
+    got = F.fp8_matmul(aq.to(DEV), bq.t().contiguous().t().to(DEV), sa.to(DEV), sb.to(DEV))
+    assert_close(got, F.fp8_matmul_ref(aq, bq, sa, sb), dtype=torch.float32)
+    with pytest.raises(ValueError, match="row-wise"):
+        F.fp8_matmul(aq.to(DEV), bq.to(DEV), sa.to(DEV), sb[:2].to(DEV))
+
+
+def test_mixed_formats_e5m2_times_e4m3():
+    """dgrad's operands: an E5M2 gradient times an E4M3 weight, as HYBRID training runs it."""
+    g = torch.Generator().manual_seed(9)
+    dy, w = torch.randn(33, 70, generator=g) * 1e-4, torch.randn(70, 50, generator=g)
+    (gq, sg), (wq, sw) = F.quantize_current(dy, "e5m2"), F.quantize_current(w, "e4m3")
+    assert_close(F.fp8_matmul(gq.to(DEV), wq.to(DEV), sg.to(DEV), sw.to(DEV)), F.fp8_matmul_ref(gq, wq, sg, sw),
+                 dtype=torch.float32)
+
+
+def test_training_gemms_operand_layouts():
+    """fprop reads both operands K-major as stored; dgrad's B (W) and both of wgrad's are not: on Hopper
+    they need a transposed copy (Transformer Engine keeps FP8 transposes for this)."""
+    x, w, dy = torch.empty(64, 32), torch.empty(48, 32), torch.empty(64, 48)
+    k_major = {name: (a.stride(1) == 1, b.stride(0) == 1) for name, (_, a, b) in F.training_gemms(x, w, dy).items()}
+    assert k_major == {"fprop": (True, True), "dgrad": (True, False), "wgrad": (False, False)}
+    for _, a, b in F.training_gemms(x, w, dy).values():
+        assert a.shape[1] == b.shape[0]
+
+
+def test_fp8_linear_gradients_follow_the_fp32_ones():
+    """Fp8Linear's three GEMMs on FP8 codes: output and both gradients within the formats' error of
+    fp32 autograd (E4M3 relative step 2^-3, E5M2 2^-2, averaged over long sums)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=g, requires_grad=True)
+    w = torch.randn(40, 96, generator=g) * 0.1
+    lin = F.Fp8Linear(w)
+    dy = torch.randn(64, 40, generator=g) * 1e-3
+    y = lin(x)
+    y.backward(dy)
+    x32 = x.detach().clone().requires_grad_(True)
+    w32 = w.clone().requires_grad_(True)
+    (x32 @ w32.T).backward(dy)
+    for got, want, bound in ((y.detach(), x.detach() @ w.T, 0.05), (x.grad, x32.grad, 0.08), (lin.weight.grad, w32.grad, 0.08)):
+        assert float((got - want).norm() / want.norm()) < bound
+    assert lin.weight.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32   # fp32 master weight
+    with pytest.raises(ValueError, match="fmt"):
+        F.Fp8Linear(w, grad_fmt="e3m4")
+
+
+def test_fp8_blocks_keeps_embeddings_norms_and_head():
+    from kernels.model.gpt import GPT, GPTConfig
+    model = F.fp8_blocks(GPT(GPTConfig(n_layer=1)))
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "Fp8Linear" in kinds and not any(isinstance(m, torch.nn.Linear) for m in model.blocks.modules())
+    logits = model(torch.zeros(1, 8, dtype=torch.long))
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def builds():
+    jobs = dict(F.compile_jobs())
+    jobs["N-major B"] = F.launch_job(4096, 14336, 4096, b_k_major=False)
+    return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm89", "sm90", "sm100"))))
+
+
+def test_fp8_gemm_aot_at_llama3_sizes(builds):
+    """GPU_TILE (128 x 128 x 128, 8 warps) as a launch compiles it: QMMA / QGMMA / UTCQMMA, no spills,
+    a cp.async pipeline, on sm89, sm90a and sm100a; and no FP8 on sm80."""
+    table = ki.resource_table([(label, b) for label, bb in builds.items() for b in bb.values()])
+    for label, bb in builds.items():
+        assert (bb["sm89"].tensor_core, bb["sm90"].tensor_core, bb["sm100"].tensor_core) == ("QMMA", "QGMMA", "UTCQMMA")
+        for b in bb.values():
+            assert b.spills == 0 and b.async_copies["LDGSTS"] > 0, f"{label}\n{table}"
     with pytest.raises(ki.CompileError, match="fp8e4nv not supported"):
-        ki.compile_triton(F._fp8_matmul_kernel, SIG, arch="sm80", constexprs=tile, num_warps=w)
+        ki.compile_triton_many([F.launch_job(4096, 14336, 4096)], archs=("sm80",))
+
+
+def test_an_n_major_b_is_transposed_in_registers_on_hopper(builds):
+    """wgmma's FP8 form reads only K-major operands: a row-major (K, N) B costs byte permutes (PRMT) and
+    registers on sm90a, and half the cp.async traffic, against the K-major build."""
+    k_major, n_major = builds["Llama-3-8B gate/up prefill, per-tensor"]["sm90"], builds["N-major B"]["sm90"]
+    assert n_major.families()["PRMT"] > 100 > k_major.families()["PRMT"]
+    assert n_major.metadata["registers"] > k_major.metadata["registers"]
+    assert n_major.async_copies["LDGSTS"] < k_major.async_copies["LDGSTS"]
