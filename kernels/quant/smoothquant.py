@@ -18,7 +18,9 @@ time: it is folded into the operation that produces X (the RMSNorm gain for W_q/
 W_gate/W_up; the rows of W_up for W_down, since silu(g) * (u / s) = (silu(g) * u) / s).
 
 W8A8 then runs as :func:`kernels.quant.w8a8.w8a8_matmul`: X quantized per token, W per output
-channel, both scales applied after the int32 sum.
+channel, both scales applied after the int32 sum. :func:`fake_w8a8` computes the same values at the
+other granularities of the paper (per-tensor weights; per-tensor activation scales, dynamic or
+static, i.e. calibrated offline), to compare them on one layer.
 """
 from __future__ import annotations
 
@@ -52,6 +54,42 @@ def w8a8_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xq, xs = quantize_per_token(x)
     wq, ws = quantize_per_channel(w)
     return (xq.double() * xs.double()[:, None]) @ (wq.double() * ws.double()[:, None]).T
+
+
+ACT_GRANULARITIES = ("token", "tensor", "static")
+
+
+def _symmetric_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """s * clamp(round(x / s), -127, 127): the int8 grid with a given scale (broadcast), in x's dtype."""
+    return torch.clamp(torch.round(x / scale), -127, 127) * scale
+
+
+def fake_w8a8(x: torch.Tensor, w: torch.Tensor, *, act: str = "token", weight: str = "channel",
+              static_scale: float | None = None) -> torch.Tensor:
+    """X W^T with X and W on int8 grids (float64): ``act`` "token" (a scale per row, computed at run
+    time), "tensor" (one scale for the whole X, at run time) or "static" (one scale calibrated offline,
+    ``static_scale``; values beyond it clip); ``weight`` "channel" (a scale per output row) or "tensor"."""
+    if act not in ACT_GRANULARITIES:
+        raise ValueError(f"act must be one of {ACT_GRANULARITIES}, got {act!r}")
+    if weight not in ("channel", "tensor"):
+        raise ValueError(f"weight must be 'channel' or 'tensor', got {weight!r}")
+    if (act == "static") != (static_scale is not None):
+        raise ValueError("static_scale is needed exactly when act='static'")
+    x, w = x.double(), w.double()
+    if act == "token":
+        sx = x.abs().amax(1, keepdim=True) / 127
+    elif act == "tensor":
+        sx = x.abs().max() / 127
+    else:
+        sx = torch.tensor(static_scale, dtype=torch.float64)
+    sw = (w.abs().amax(1, keepdim=True) if weight == "channel" else w.abs().max()) / 127
+    sx, sw = torch.where(sx > 0, sx, 1.0), torch.where(sw > 0, sw, 1.0)
+    return _symmetric_int8(x, sx) @ _symmetric_int8(w, sw).T
+
+
+def relative_error(y_hat: torch.Tensor, y: torch.Tensor) -> float:
+    """||Y_hat - Y|| / ||Y|| (Frobenius)."""
+    return float((y_hat - y).norm() / y.norm())
 
 
 class W8A8Linear(nn.Module):
@@ -101,7 +139,11 @@ def smooth_model(model: GPT, tokens: torch.Tensor, alpha: float) -> GPT:
 def plant_outliers(model: GPT, channels: list[int], factor: float) -> GPT:
     """A copy of ``model`` computing the same function with outlier activation channels: equation (1)
     run backwards with s_k = 1 / factor on ``channels`` of every smoothed input (their activations grow
-    by ``factor``, the weight columns that read them shrink by it)."""
+    by ``factor``, the weight columns that read them shrink by it).
+
+    A mechanism check, circular by construction: smoothing is built to undo exactly such a rescaling,
+    so recovering the float loss here proves the folds are exact and complete, not that SmoothQuant
+    works on real outliers (see the SmolLM2 layers of :mod:`kernels.quant.calibration` for those)."""
     out = copy.deepcopy(model)
     for block in out.blocks:
         for producer, readers in SMOOTH_GROUPS:
