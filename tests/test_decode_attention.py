@@ -99,7 +99,7 @@ def test_non_contiguous_cache_view(num_splits):
     k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
     v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
     assert not k_t.is_contiguous() and k_t.stride(2) == 2 * 16
-    got = decode_attention(q, k_t, v_t, L, num_splits=num_splits, block_s=8)
+    got = decode_attention(q, k_t, v_t, L, num_splits=num_splits, block_s=16)
     assert_close(got, decode_attention_ref(q, k, v, L))
 
 
@@ -148,22 +148,44 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q, k, v[:, :, :8], L)
     with pytest.raises(ValueError, match="block_s"):
         decode_attention(q, k, v, L, block_s=24)
-    with pytest.raises(ValueError, match="block_s must be a power of two >= 8"):
-        decode_attention(q, k, v, L, block_s=4)
+    with pytest.raises(ValueError, match="block_s must be a power of two >= 16"):
+        decode_attention(q, k, v, L, block_s=8)
+    q_big = torch.zeros(2, 129, 8, device=DEVICE)
+    k_one = torch.zeros(2, 1, 16, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="at most MAX_GROUP=128"):
+        decode_attention(q_big, k_one, k_one, L)
     for bad in (0, 65, True, 2.0):
         with pytest.raises(ValueError, match=r"decode_attention: num_splits must be an int in \[1, 64\]"):
             decode_attention(q, k, v, L, num_splits=bad)
 
 
-def test_default_block_keeps_the_gpu_product_small():
-    """On a GPU the (group x BLOCK_S x D) product stays at most 8192 values (no register spills:
-    the AOT builds below compile these tiles for sm_90a); the interpreter takes 64."""
-    assert dec.default_block_s(4, 128) == (64 if runtime.runtime().interpreted else 16)
-    for group, d in [(1, 32), (1, 128), (3, 40), (4, 128), (8, 128), (16, 64)]:
-        bs = dec.gpu_block_s(group, d)
-        assert bs >= dec.MIN_BLOCK_S and bs & (bs - 1) == 0
-        assert triton.next_power_of_2(group) * triton.next_power_of_2(d) * bs <= dec.GPU_PRODUCT_ELEMENTS
-    assert (dec.gpu_block_s(4, 128), dec.gpu_block_s(8, 128), dec.gpu_block_s(1, 32)) == (16, 8, 128)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,lens", [
+    (2, 71, 1, 90, 64, [90, 37]),            # Falcon-7B's group of 71 (MQA): 128 tensor-core rows, 57 padding
+    (1, 128, 1, 70, 32, [70]),               # a full 128-row group
+    (2, 48, 2, 40, 16, [40, 1]),             # 24 per K/V head: 32 rows
+])
+def test_large_groups_match_reference(B, Hq, Hkv, S, D, lens, num_splits, dtype):
+    """The group on the tensor-core M axis: the padding rows must neither leak into the output nor
+    into a neighbour's (the kernel stores only the group's rows)."""
+    q, k, v, L = _case(B, Hq, Hkv, S, D, dtype, lens)
+    got = decode_attention(nan_canary(q), nan_canary(k), nan_canary(v), L, num_splits=num_splits, block_s=16)
+    assert not torch.isnan(got).any()
+    assert_close(got, decode_attention_ref(q.float(), k.float(), v.float(), L), dtype=dtype,
+                 baseline=_baseline(q, k, v, L), name=f"decode_attention, group {Hq // Hkv}")
+
+
+def test_tiles_put_the_group_on_the_tensor_core_rows():
+    """BLOCK_G: the group padded to >= 16 rows; 128-position tiles at D <= 64 and 64 above, 3 stages,
+    8 warps from 64 rows on (the AOT builds below); the interpreter takes 64 positions and one stage."""
+    assert [dec.group_rows(g) for g in (1, 8, 16, 17, 33, 71, 128)] == [16, 16, 16, 32, 64, 128, 128]
+    assert dec.gpu_tiles(4, 128) == dec.DecodeTiles(16, 64, 128, 4, 3)
+    assert dec.gpu_tiles(71, 64) == dec.DecodeTiles(128, 128, 64, 8, 3)
+    assert dec.gpu_tiles(2, 256) == dec.DecodeTiles(16, 64, 256, 4, 2)
+    assert dec.gpu_tiles(8, 40, block_s=32).block_s == 32 and dec.gpu_tiles(8, 40).block_d == 64
+    if runtime.runtime().interpreted:
+        assert dec.default_tiles(4, 128) == dec.DecodeTiles(16, 64, 128, 4, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,79 +307,90 @@ def test_batch_offsets_are_int64():
 
 
 # ----------------------------------------------------------------------------------------------
-# Ahead-of-time builds for sm_90a at real shapes (head_dim 128, GQA groups 4 and 8), with the
-# launchers' tiles and 4 warps, of every kernel decode_attention (and flash_decode) can launch: one
-# compile_triton_many call for the module (about 2 s per kernel).
+# Ahead-of-time builds, derived by kernels.inspect.launch_job from the launcher's own arguments
+# (dec.launch_job: meta tensors of a batch-32, 32k-token fp16 cache, the GPU tiles), for sm_80 and
+# sm_90a: every group class 1..128 (BLOCK_G 16, 32, 64, 128) at head dims 64 and 128, the single pass
+# and the split kernel, one compile_triton_many call for the module.
 
-_POINTERS = {"lens_ptr": "*i32", "mpart_ptr": "*fp32", "lpart_ptr": "*fp32", "opart_ptr": "*fp32", "flag_ptr": "*i32"}
-_FLOATS = {"scale_log2", "phi_log2", "low_log2", "high_log2"}
-
-
-def _signature(kernel, constexprs):
-    """fp16 tensors, fp32 partials, i32 strides and sizes: what a launch with fp16 caches passes."""
-    sig = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            continue
-        sig[name] = _POINTERS.get(name, "*fp16") if name.endswith("_ptr") else ("fp32" if name in _FLOATS else "i32")
-    return sig
+AOT_GROUPS = (1, 8, 24, 48, 71, 128)
+AOT_ARCHS = ("sm80", "sm90")
 
 
-def _job(kernel, **constexprs):
-    return ki.TritonJob(kernel, _signature(kernel, constexprs), constexprs=constexprs, num_warps=4)
+def _aot_cases():
+    cases = {}
+    for d in (64, 128):
+        for g in AOT_GROUPS:
+            cases[f"single pass, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, batch=32)      # 8 K/V heads
+            cases[f"split x64, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, num_splits=dec.MAX_SPLITS)
+    cases["split unified max, group 8, D=128"] = dec.launch_job(64, 8, 128, num_splits=dec.MAX_SPLITS, unified=True)
+    cases["combine, 64 splits, D=128"] = dec.combine_job(1, 32, dec.MAX_SPLITS, 128)
+    # broken on purpose: 64 group rows x 128 positions x D=128 at 4 warps does not fit the registers
+    cases["oversized: group 64, BLOCK_S=128, 4 warps"] = dec.launch_job(
+        512, 8, 128, batch=32, tiles=dec.DecodeTiles(64, 128, 128, 4, 3))
+    return cases
 
 
-def _tiles(group):
-    return dict(BLOCK_G=group, BLOCK_S=dec.gpu_block_s(group, 128), BLOCK_D=128)
-
-
-AOT_CASES = {
-    "decode_attention, group 4": _job(dec._decode_attention_kernel, **_tiles(4), MASK_LENGTH=True),
-    "decode_attention, group 8": _job(dec._decode_attention_kernel, **_tiles(8), MASK_LENGTH=True),
-    "split, group 4": _job(dec._decode_split_kernel, **_tiles(4), UNIFIED=False, MASK_LENGTH=True),
-    "split, group 8": _job(dec._decode_split_kernel, **_tiles(8), UNIFIED=False, MASK_LENGTH=True),
-    "split unified max, group 8": _job(dec._decode_split_kernel, **_tiles(8), UNIFIED=True, MASK_LENGTH=True),
-    "combine, 64 splits": _job(dec._decode_combine_kernel, BLOCK_SPLITS=dec.MAX_SPLITS, BLOCK_D=128),
-    # broken variant: group 8 with a 32-position tile (32768 products per tile) spills
-    "decode_attention, group 8, BLOCK_S=32": _job(dec._decode_attention_kernel, BLOCK_G=8, BLOCK_S=32, BLOCK_D=128,
-                                                  MASK_LENGTH=True),
-}
+AOT_CASES = _aot_cases()
 
 
 @pytest.fixture(scope="module")
-def sm90_builds():
-    builds = ki.compile_triton_many(list(AOT_CASES.values()), archs=("sm90",))
-    return {label: b["sm90"] for label, b in zip(AOT_CASES, builds)}
+def aot_builds():
+    builds = ki.compile_triton_many(list(AOT_CASES.values()), archs=AOT_ARCHS)
+    return dict(zip(AOT_CASES, builds))
 
 
-def test_sm90_builds_at_real_shapes_do_not_spill(sm90_builds):
-    table = ki.resource_table(list(sm90_builds.items()))
+def test_builds_for_groups_1_to_128_do_not_spill(aot_builds):
+    rows = [(f"{label} {arch}", b[arch]) for label, b in aot_builds.items() for arch in AOT_ARCHS]
+    table = ki.resource_table(rows)
     print(table)                                   # shown with -s; the asserts below are the check
-    for label, build in sm90_builds.items():
-        if "BLOCK_S=32" in label:
+    for label, build in rows:
+        if label.startswith("oversized"):
             continue
         assert build.spills == 0 and build.metadata["stack_bytes"] == 0, f"{label} spills\n{table}"
-    assert dec.gpu_block_s(8, 128) == 8 and dec.gpu_block_s(4, 128) == 16
+        if "combine" not in label:
+            assert build.async_copies["LDGSTS"] > 0, f"{label}: K/V tiles not pipelined with cp.async\n{table}"
 
 
-def test_sm90_spill_check_catches_an_oversized_tile(sm90_builds):
-    broken = sm90_builds["decode_attention, group 8, BLOCK_S=32"]
-    assert broken.spills > 0 and broken.metadata["stack_bytes"] > 0
+def test_the_group_runs_on_tensor_cores(aot_builds):
+    """mma.sync (HMMA) for tiles under 64 rows, wgmma (HGMMA) on sm_90a from 64 rows on; no group
+    reduced on CUDA cores."""
+    for d in (64, 128):
+        for g in AOT_GROUPS:
+            b = aot_builds[f"single pass, group {g}, D={d}"]
+            assert b["sm80"].tensor_core == "HMMA"
+            assert b["sm90"].tensor_core == ("HGMMA" if dec.group_rows(g) >= 64 else "HMMA")
 
 
-def _product_widths(build, kernel, arg):
-    """The widths of the integer products that argument ``arg`` enters in the PTX (kernels.inspect)."""
-    index = kernel.arg_names.index(arg)              # constexprs come last: PTX numbers the others in order
-    return ki.param_product_widths(build, index)
+def test_spill_check_catches_an_oversized_tile(aot_builds):
+    broken = aot_builds["oversized: group 64, BLOCK_S=128, 4 warps"]
+    for arch in AOT_ARCHS:
+        assert broken[arch].spills > 0 and broken[arch].metadata["stack_bytes"] > 0
 
 
-def test_ptx_uses_64bit_products_for_batch_and_head_offsets(sm90_builds):
+def _product_widths(job, build, arg):
+    """The widths of the integer products that argument ``arg`` enters in the PTX (kernels.inspect).
+    The PTX numbers the runtime parameters in order; constexprs, and the strides a launch folded to
+    =1, are not parameters."""
+    runtime_args = [n for n, kind in job.signature.items() if kind != "constexpr"]     # in argument order
+    return ki.param_product_widths(build, runtime_args.index(arg))
+
+
+def test_ptx_uses_64bit_products_for_batch_and_head_offsets(aot_builds):
     """b * stride_b and hk * stride_h are 64-bit in the PTX of both K/V kernels; the check tells
     them apart from an int32 product (the per-head query stride, multiplied in int32 on purpose:
     Hq * D is small)."""
-    for label in ("decode_attention, group 8", "split, group 8"):
-        kernel = dec._decode_attention_kernel if label.startswith("decode") else dec._decode_split_kernel
+    for label in ("single pass, group 8, D=128", "split x64, group 8, D=128"):
+        job, build = AOT_CASES[label], aot_builds[label]["sm90"]
         for arg in ("stride_qb", "stride_kb", "stride_kh", "stride_vb", "stride_vh"):
-            widths = _product_widths(sm90_builds[label], kernel, arg)
+            widths = _product_widths(job, build, arg)
             assert widths == {64}, f"{label}: {arg} enters products of widths {widths}"
-        assert 32 in _product_widths(sm90_builds[label], kernel, "stride_qh")
+        assert 32 in _product_widths(job, build, "stride_qh")
+
+
+def test_compile_jobs_are_the_launch():
+    """compile_jobs() builds every job from the launcher's own argument helper at real sizes."""
+    jobs = dec.compile_jobs()
+    assert "Falcon-7B (MQA) decode, group 71, D=64, batch 32" in jobs
+    falcon = jobs["Falcon-7B (MQA) decode, group 71, D=64, batch 32"]
+    assert falcon.constexprs["BLOCK_G"] == 128 and falcon.num_warps == 8 and falcon.num_stages == 3
+    assert "stride_kd: =1" in falcon.specialization() and "stride_ks: i32 %16" in falcon.specialization()

@@ -13,12 +13,16 @@ Shapes:
     cache_seqlens (B,) int32/int64  L_b, 0 <= L_b <= S_max
     output       (B, Hq, D)         same dtype as q; a sequence with L_b = 0 gets zeros
 
-Every program packs a GQA group: it loads the Hq / Hkv query heads that share a K/V head once, then
-walks cache positions in tiles of BLOCK_S with the online softmax (running max m, running sum l,
-rescaled accumulator), so each cached key and value is read once for the whole group, and only the
-L_b filled positions are read at all. Per step that is 2 * L_b * Hkv * D elements of cache per
-sequence: decode attention is a stream over the cache, bound by memory bandwidth (about 1 FLOP
-per byte in fp16 per query head).
+Every program packs a GQA group: it loads the Hq / Hkv query heads that share a K/V head once, as
+the rows of a (BLOCK_G, D) tile padded to at least 16 rows, then walks cache positions in tiles of
+BLOCK_S with the online softmax (running max m, running sum l, rescaled accumulator). Both products,
+S = q K^T (BLOCK_G, BLOCK_S) and acc += P V (BLOCK_G, D), run on the tensor cores with the group on
+their M axis (FlashAttention-2's decode path and FlashInfer's tensor-core decode do the same), so each
+cached key and value is read once for the whole group, only the L_b filled positions are read at all,
+and the registers hold two MMA accumulators, not a group x BLOCK_S x D product. Per step that is
+2 * L_b * Hkv * D elements of cache per sequence: decode attention is a stream over the cache, bound
+by memory bandwidth (about 1 FLOP per byte in fp16 per query head; the padding rows of a small group
+multiply zeros on tensor cores that would otherwise idle).
 
 Two launches, picked by ``num_splits``:
 
@@ -41,6 +45,7 @@ are computed in int64.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -87,25 +92,27 @@ def _kv_offset(b, hk, stride_b, stride_h):
 
 @triton.jit
 def _kv_tile(k_ptrs, v_ptrs, s_ok, d_ok):
-    """One (BLOCK_S, BLOCK_D) tile of K and of V in fp32; positions with s_ok False read as 0."""
+    """One (BLOCK_S, BLOCK_D) tile of K and of V in the cache's dtype; positions with s_ok False read as 0."""
     kv_mask = s_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k, v
 
 
 @triton.jit
 def _group_attend(
-    q, k_ptr, v_ptr, n, stride_ks, stride_kd, stride_vs, stride_vd, D,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, MASK_LENGTH: tl.constexpr,
+    q, k_ptr, v_ptr, n, stride_ks, stride_kd, stride_vs, stride_vd, D, scale_log2,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_LENGTH: tl.constexpr,
 ):
     """Online softmax of a group of query heads over n consecutive cache positions of one K/V head.
 
-    q (BLOCK_G, BLOCK_D) fp32, pre-scaled by log2(e)/sqrt(D); k_ptr, v_ptr point at the first of
-    the n positions (offsets computed in int64 by the caller). Each (BLOCK_S, D) tile of K and V is
-    loaded once and serves all BLOCK_G query heads. Returns m (BLOCK_G,) the max score (log2 units),
-    l (BLOCK_G,) the sum of exp2(score - m), acc (BLOCK_G, BLOCK_D) the sum of exp2(score - m) v;
-    n <= 0 gives m = -inf, l = 0, acc = 0.
+    q (BLOCK_G, BLOCK_D) in the cache's dtype, unscaled, its rows past the group zero: the group is
+    the M axis of both tensor-core products, S = q K^T and acc += P V. k_ptr, v_ptr point at the first
+    of the n positions (offsets computed in int64 by the caller). Each (BLOCK_S, D) tile of K and V is
+    loaded once and serves every query head of the group. Returns m (BLOCK_G,) the max score (log2
+    units), l (BLOCK_G,) the sum of exp2(score - m), acc (BLOCK_G, BLOCK_D) fp32 the sum of
+    exp2(score - m) v; n <= 0 gives m = -inf, l = 0, acc = 0.
     """
     s = tl.arange(0, BLOCK_S)       # (BLOCK_S,) cache positions within one tile
     d = tl.arange(0, BLOCK_D)       # (BLOCK_D,) head dimension
@@ -122,14 +129,14 @@ def _group_attend(
         else:
             s_ok = pos < s0 + BLOCK_S                     # broken on purpose: reads the whole last tile
         k, v = _kv_tile(k_ptrs, v_ptrs, s_ok, d_ok)
-        # scores[g, j] = q[g] . k[j]   (BLOCK_G, BLOCK_S); a group of a few heads is too small for tl.dot
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        # scores[g, j] = q[g] . k[j] / sqrt(D) in log2 units: (BLOCK_G, BLOCK_S), one MMA over the group
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))     # finite: the tile has at least one valid key
         alpha = tl.exp2(m - m_new)                        # rescales what was summed under the old max
         p = tl.exp2(scores - m_new[:, None])              # (BLOCK_G, BLOCK_S)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)   # acc = alpha acc + P V
         m = m_new
         k_ptrs += BLOCK_S * stride_ks                     # pointer arithmetic is 64-bit: no wrap however long
         v_ptrs += BLOCK_S * stride_vs
@@ -138,8 +145,8 @@ def _group_attend(
 
 @triton.jit
 def _group_attend_unified_max(
-    q, k_ptr, v_ptr, n, stride_ks, stride_kd, stride_vs, stride_vd, D, phi_log2, low_log2, high_log2,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    q, k_ptr, v_ptr, n, stride_ks, stride_kd, stride_vs, stride_vd, D, scale_log2, phi_log2, low_log2, high_log2,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """FlashDecoding++'s loop: :func:`_group_attend` with the max fixed at phi (log2 units) ahead of time,
     so p = exp2(score - phi) and nothing is rescaled. Returns m = phi, l, acc as _group_attend, and
@@ -156,28 +163,37 @@ def _group_attend_unified_max(
     for s0 in range(0, n, BLOCK_S):
         s_ok = s0 + s < n
         k, v = _kv_tile(k_ptrs, v_ptrs, s_ok, d_ok)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)             # log2 units (BLOCK_G, BLOCK_S)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # (BLOCK_G, BLOCK_S)
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         tile_max = tl.max(scores, axis=1)
         bad = (tile_max > phi_log2 + high_log2) | (tile_max < phi_log2 + low_log2)
         out_of_range = out_of_range | bad.to(tl.int32)
         p = tl.exp2(scores - phi_log2)                                     # exp(x - phi): no max, no rescale
         l = l + tl.sum(p, axis=1)
-        acc = acc + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_S * stride_ks
         v_ptrs += BLOCK_S * stride_vs
     return m, l, acc, out_of_range
 
 
 @triton.jit
-def _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The GROUP query heads hk*GROUP .. hk*GROUP+GROUP-1 of sequence b, scaled: (BLOCK_G, BLOCK_D) fp32."""
+def _load_group_q(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The GROUP query heads hk*GROUP .. hk*GROUP+GROUP-1 of sequence b: (BLOCK_G, BLOCK_D) in q's dtype,
+    rows g >= GROUP (the padding up to the tensor-core tile) and columns d >= D zero."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = hk * GROUP + g
     offs = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptr + offs, mask=(g < GROUP)[:, None] & (d < D)[None, :], other=0.0)
+    return tl.load(q_ptr + offs, mask=(g < GROUP)[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """:func:`_load_group_q` in fp32, pre-scaled by scale_log2: the form the paged kernel
+    (:mod:`kernels.attention.paged`), which reduces on CUDA cores, multiplies with."""
+    q = _load_group_q(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, BLOCK_G, BLOCK_D)
     return q.to(tl.float32) * scale_log2
 
 
@@ -189,7 +205,7 @@ def _decode_attention_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_od,
     D, GROUP, scale_log2,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASK_LENGTH: tl.constexpr,
 ):
     """num_splits=1: one program per (sequence b, K/V head hk), grid (B, Hkv): the group's query heads
@@ -197,11 +213,11 @@ def _decode_attention_kernel(
     b = tl.program_id(0)            # sequence
     hk = tl.program_id(1)           # K/V head; it serves query heads hk*GROUP .. hk*GROUP+GROUP-1
     L = tl.load(lens_ptr + b).to(tl.int32)   # filled cache positions of this sequence
-    q = _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2, BLOCK_G, BLOCK_D)
+    q = _load_group_q(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, BLOCK_G, BLOCK_D)
     m, l, acc = _group_attend(q, k_ptr + _kv_offset(b, hk, stride_kb, stride_kh),
                               v_ptr + _kv_offset(b, hk, stride_vb, stride_vh), L,
-                              stride_ks, stride_kd, stride_vs, stride_vd, D,
-                              BLOCK_G, BLOCK_S, BLOCK_D, MASK_LENGTH)
+                              stride_ks, stride_kd, stride_vs, stride_vd, D, scale_log2,
+                              BLOCK_G, BLOCK_S, BLOCK_D, DOT_PRECISION, MASK_LENGTH)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]          # o = acc / l; L = 0: acc is 0, output 0
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -216,7 +232,7 @@ def _decode_split_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     Hq, D, GROUP, NUM_SPLITS, scale_log2, phi_log2, low_log2, high_log2,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UNIFIED: tl.constexpr, MASK_LENGTH: tl.constexpr,
 ):
     """Split KV (decode_attention runs it from 2 splits, flash_decode from 1): one program per
@@ -239,15 +255,17 @@ def _decode_split_kernel(
     first = lo.to(tl.int64)                               # lo * stride_ks passes 2**31 in a (B, S, H, D) layout
     k_chunk = k_ptr + _kv_offset(b, hk, stride_kb, stride_kh) + first * stride_ks
     v_chunk = v_ptr + _kv_offset(b, hk, stride_vb, stride_vh) + first * stride_vs
-    q = _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2, BLOCK_G, BLOCK_D)
+    q = _load_group_q(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, BLOCK_G, BLOCK_D)
     if UNIFIED:
         m, l, acc, out_of_range = _group_attend_unified_max(
-            q, k_chunk, v_chunk, n, stride_ks, stride_kd, stride_vs, stride_vd, D, phi_log2, low_log2, high_log2,
-            BLOCK_G, BLOCK_S, BLOCK_D)
-        tl.store(flag_ptr + (b.to(tl.int64) * (Hq // GROUP) + hk) * NUM_SPLITS + split, tl.max(out_of_range, axis=0))
+            q, k_chunk, v_chunk, n, stride_ks, stride_kd, stride_vs, stride_vd, D, scale_log2,
+            phi_log2, low_log2, high_log2, BLOCK_G, BLOCK_S, BLOCK_D, DOT_PRECISION)
+        g_ok = tl.arange(0, BLOCK_G) < GROUP              # the padding rows' scores are 0, not the group's
+        tl.store(flag_ptr + (b.to(tl.int64) * (Hq // GROUP) + hk) * NUM_SPLITS + split,
+                 tl.max(tl.where(g_ok, out_of_range, 0), axis=0))
     else:
-        m, l, acc = _group_attend(q, k_chunk, v_chunk, n, stride_ks, stride_kd, stride_vs, stride_vd, D,
-                                  BLOCK_G, BLOCK_S, BLOCK_D, MASK_LENGTH)
+        m, l, acc = _group_attend(q, k_chunk, v_chunk, n, stride_ks, stride_kd, stride_vs, stride_vd, D, scale_log2,
+                                  BLOCK_G, BLOCK_S, BLOCK_D, DOT_PRECISION, MASK_LENGTH)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]                           # o_s = acc / l_s
     m_out = tl.where(n <= 0, float("-inf"), m * 0.6931471805599453)      # ln 2: natural-log units; empty: -inf
     g = tl.arange(0, BLOCK_G)
@@ -389,6 +407,9 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name: str = "decode_
         raise ValueError(f"{name}: q is (B={B}, Hq={Hq}, D={D}) but k_cache is (B={Bk}, Hkv={Hkv}, S={S}, D={Dk})")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if Hq // Hkv > MAX_GROUP:
+        raise ValueError(f"{name}: Hq / Hkv = {Hq // Hkv} query heads per K/V head; one program serves at most "
+                         f"MAX_GROUP={MAX_GROUP} (the tensor-core tile's rows), larger groups are not implemented")
     for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: {arg} has dtype {t.dtype}; supported: float16, bfloat16, float32")
@@ -402,31 +423,73 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, name: str = "decode_
                          f"min {int(cache_seqlens.min())}, max {int(cache_seqlens.max())}")
 
 
-# The per-tile product q[:, None, :] * k[None, :, :] holds BLOCK_G x BLOCK_S x BLOCK_D fp32 values,
-# spread over the 128 threads of 4 warps. Compiled (Triton 3.7.1) for sm_90a with BLOCK_D = 128:
-# group 4 at BLOCK_S = 16 (8192 values) needs 168 registers per thread; group 8 at BLOCK_S = 16
-# (16384 values) reaches the 255-register limit and at 32 spills to local memory (STL/LDL), at 8 it
-# needs 196 (tests/test_decode_attention.py compiles these). So on a GPU the tile keeps that product at
-# 8192 values; the interpreter, where each loop iteration costs time, takes 64 positions.
+# Tiles. The group is the M axis of the tensor-core products, padded to at least 16 rows (the
+# smallest M of mma.sync, which Triton emits for tiles below 64 rows; a 64-row tile becomes wgmma on
+# sm_90a); BLOCK_S cache positions per iteration are the N axis of S = q K^T and the K axis of P V.
+# FlashAttention-2 decodes the same way: with one query row and a GQA group it reshapes q so that
+# the group becomes the query-row (M) axis of its attention kernel, whose split-KV tiles are 64 rows
+# by 256 (D <= 64) or 128 (D <= 128) keys (Dao-AILab/flash-attention@00979f57,
+# csrc/flash_attn/flash_api.cpp: mha_fwd's seqlenq_ngroups_swapped, set_params_splitkv);
+# FlashInfer's decode with use_tensor_cores runs its prefill kernel, whose rows are the (position,
+# group head) pairs packed (flashinfer-ai/flashinfer@6b1a33f0, flashinfer/decode.py;
+# @0d618712, include/flashinfer/attention/prefill.cuh: load_q_global_smem, group_size.divmod).
+# The GPU tiles below are chosen from the AOT builds (compile_jobs, tests/test_decode_attention.py):
+# no spills on sm_80 or sm_90a for groups 1..128 at head dims 64 and 128, with cp.async pipelining.
+MAX_GROUP = 128                 # query heads per K/V head one program serves (Falcon-7B: 71)
+MIN_BLOCK_S = 16                # tl.dot's smallest N and K
+INTERPRETER_BLOCK_S = 64        # under the interpreter each loop iteration costs time: few, large tiles
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One launch's tile sizes and launch options (see the comment above)."""
+
+    block_g: int                # query heads per program, padded: the MMA's M
+    block_s: int                # cache positions per iteration
+    block_d: int                # head dim, padded to a power of two >= 16
+    num_warps: int
+    num_stages: int             # K/V tiles in flight (cp.async buffers)
+
+
+def group_rows(group: int) -> int:
+    """BLOCK_G: the group padded to a power of two of at least 16 rows."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def gpu_tiles(group: int, head_dim: int, block_s: int | None = None) -> DecodeTiles:
+    """The GPU launch for a group of ``group`` query heads of dimension ``head_dim``: 128 cache
+    positions per iteration at D <= 64, 64 above (the same halving as FlashAttention-2's split-KV
+    tiles), 4 warps (8 from 64 group rows on: a 128-row group at 4 warps spills on sm_80), 3 stages
+    (2 at D > 128, to stay within 100 KiB of shared memory)."""
+    block_g, block_d = group_rows(group), max(16, triton.next_power_of_2(head_dim))
+    return DecodeTiles(block_g, block_s or (128 if block_d <= 64 else 64), block_d,
+                       8 if block_g >= 64 else 4, 3 if block_d <= 128 else 2)
+
+
+def default_tiles(group: int, head_dim: int, block_s: int | None = None) -> DecodeTiles:
+    """:func:`gpu_tiles` on a GPU; under the interpreter ``block_s`` defaults to 64 (one stage)."""
+    if runtime.runtime().interpreted:
+        t = gpu_tiles(group, head_dim, block_s or INTERPRETER_BLOCK_S)
+        return DecodeTiles(t.block_g, t.block_s, t.block_d, 4, 1)
+    return gpu_tiles(group, head_dim, block_s)
+
+
+# The paged kernel (kernels.attention.paged) still reduces the group on CUDA cores: its per-tile
+# product q[:, None, :] * k[None, :, :] holds group x BLOCK_S x D fp32 values over 128 threads, which
+# it keeps at 8192 (168 registers at group 4, BLOCK_S 16, D 128 on sm_90a). Its tile rule:
 GPU_PRODUCT_ELEMENTS = 8192
-MIN_BLOCK_S = 8
 
 
 def gpu_block_s(group: int, head_dim: int) -> int:
-    """BLOCK_S on a GPU: the largest power of two with next_pow2(group) * BLOCK_S * next_pow2(head_dim)
-    <= GPU_PRODUCT_ELEMENTS, between MIN_BLOCK_S and 128."""
+    """The CUDA-core tile of :mod:`kernels.attention.paged`: the largest power of two with
+    next_pow2(group) * BLOCK_S * next_pow2(head_dim) <= GPU_PRODUCT_ELEMENTS, between 8 and 128."""
     per_position = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim)
     fits = max(1, GPU_PRODUCT_ELEMENTS // per_position)
-    return max(MIN_BLOCK_S, min(128, 1 << (fits.bit_length() - 1)))      # largest power of two <= fits
+    return max(8, min(128, 1 << (fits.bit_length() - 1)))      # largest power of two <= fits
 
 
-def default_block_s(group: int, head_dim: int) -> int:
-    """BLOCK_S for a group of ``group`` query heads of dimension ``head_dim`` on this device."""
-    return 64 if runtime.runtime().interpreted else gpu_block_s(group, head_dim)
-
-
-def check_block_s(block_s: int, name: str) -> None:
-    if not isinstance(block_s, int) or block_s < MIN_BLOCK_S or block_s & (block_s - 1):
+def check_block_s(block_s, name: str) -> None:
+    if not isinstance(block_s, int) or isinstance(block_s, bool) or block_s < MIN_BLOCK_S or block_s & (block_s - 1):
         raise ValueError(f"{name}: block_s must be a power of two >= {MIN_BLOCK_S}, got {block_s!r}")
 
 
@@ -435,59 +498,87 @@ def check_num_splits(num_splits, name: str) -> None:
         raise ValueError(f"{name}: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
 
-def resolve_launch(q, k_cache, cache_seqlens, num_splits, block_s, name: str) -> tuple[int, int]:
-    """(num_splits, block_s) with the defaults filled in (:func:`default_num_splits`,
-    :func:`default_block_s`) and both checked; the inputs are already validated."""
+def resolve_launch(q, k_cache, cache_seqlens, num_splits, block_s, name: str) -> tuple[int, int | None]:
+    """(num_splits, block_s) with the split count filled in (:func:`default_num_splits`) and both
+    checked; block_s stays None for the device's default (:func:`default_tiles`). Inputs validated."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, int(cache_seqlens.max()) if B else 0, q.device)
     check_num_splits(num_splits, name)
-    if block_s is None:
-        block_s = default_block_s(Hq // Hkv, D)
-    check_block_s(block_s, name)
+    if block_s is not None:
+        check_block_s(block_s, name)
     return num_splits, block_s
 
 
-def _single_pass(q, k_cache, v_cache, cache_seqlens, *, block_s: int, mask_length: bool) -> torch.Tensor:
+def _precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"   # fp32 caches: full fp32 products, not tf32
+
+
+def _single_pass_args(q, k_cache, v_cache, cache_seqlens, out, tiles: DecodeTiles, *, mask_length: bool = True):
+    """(grid, args, kwargs) of one launch of :func:`_decode_attention_kernel`, shared by the launcher
+    and :func:`compile_jobs` so the AOT build is the launch."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    group = Hq // Hkv
+    args = (q, k_cache, v_cache, cache_seqlens, out,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+            D, Hq // Hkv, LOG2E / math.sqrt(D))
+    kwargs = dict(BLOCK_G=tiles.block_g, BLOCK_S=tiles.block_s, BLOCK_D=tiles.block_d,
+                  DOT_PRECISION=_precision(q.dtype), MASK_LENGTH=mask_length,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return decode_grid(B, Hkv), args, kwargs
+
+
+def _split_args(q, k_cache, v_cache, cache_seqlens, m, l, o, flags, num_splits: int, tiles: DecodeTiles, *,
+                mask_length: bool = True, unified: tuple[float, float, float] | None = None):
+    """(grid, args, kwargs) of one launch of :func:`_decode_split_kernel` (launcher and compile_jobs)."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    phi, low, high = unified if unified is not None else (0.0, 0.0, 0.0)
+    args = (q, k_cache, v_cache, cache_seqlens, m, l, o, flags,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            Hq, D, Hq // Hkv, num_splits, LOG2E / math.sqrt(D), phi * LOG2E, low * LOG2E, high * LOG2E)
+    kwargs = dict(BLOCK_G=tiles.block_g, BLOCK_S=tiles.block_s, BLOCK_D=tiles.block_d,
+                  DOT_PRECISION=_precision(q.dtype), UNIFIED=unified is not None, MASK_LENGTH=mask_length,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return split_grid(B, Hkv, num_splits), args, kwargs
+
+
+def _combine_args(m, l, o, out):
+    """(grid, args, kwargs) of one launch of :func:`_decode_combine_kernel`."""
+    B, Hq, S, D = o.shape
+    return (B * Hq,), (m, l, o, out, *out.stride(), Hq, D, S), dict(
+        BLOCK_SPLITS=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D))
+
+
+def _single_pass(q, k_cache, v_cache, cache_seqlens, *, block_s: int | None, mask_length: bool) -> torch.Tensor:
+    B, Hq, D = q.shape
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0 or Hq == 0:
         return out
-    _decode_attention_kernel[decode_grid(B, Hkv)](
-        q, k_cache, v_cache, cache_seqlens, out,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        D, group, LOG2E / math.sqrt(D),
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
-        MASK_LENGTH=mask_length,
-    )
+    tiles = default_tiles(Hq // k_cache.shape[1], D, block_s)
+    grid, args, kwargs = _single_pass_args(q, k_cache, v_cache, cache_seqlens, out, tiles, mask_length=mask_length)
+    _decode_attention_kernel[grid](*args, **kwargs)
     return out
 
 
-def split_partials(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block_s: int, mask_length: bool = True,
-                   unified: tuple[float, float, float] | None = None):
+def split_partials(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block_s: int | None = None,
+                   mask_length: bool = True, unified: tuple[float, float, float] | None = None):
     """The split kernel: per split the partial m_s, l_s (B, Hq, s) and o_s (B, Hq, s, D), fp32, and the
     (B, Hkv, s) int32 flags. ``unified=(phi, low, high)`` (natural-log units) runs FlashDecoding++'s
     fixed-max loop, flagging scores outside [phi + low, phi + high]; inputs already validated."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    group = Hq // Hkv
-    phi, low, high = unified if unified is not None else (0.0, 0.0, 0.0)
     m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     flags = torch.zeros((B, Hkv, num_splits), dtype=torch.int32, device=q.device)
     if B * Hq == 0:
         return m, l, o, flags
-    _decode_split_kernel[split_grid(B, Hkv, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, m, l, o, flags,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        Hq, D, group, num_splits, LOG2E / math.sqrt(D), phi * LOG2E, low * LOG2E, high * LOG2E,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
-        UNIFIED=unified is not None, MASK_LENGTH=mask_length,
-    )
+    tiles = default_tiles(Hq // Hkv, D, block_s)
+    grid, args, kwargs = _split_args(q, k_cache, v_cache, cache_seqlens, m, l, o, flags, num_splits, tiles,
+                                     mask_length=mask_length, unified=unified)
+    _decode_split_kernel[grid](*args, **kwargs)
     return m, l, o, flags
 
 
@@ -502,14 +593,12 @@ def combine(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, out_dtype=torch.f
     B, Hq, S, D = o.shape
     out = torch.empty((B, Hq, D), dtype=out_dtype, device=o.device)
     if B * Hq:
-        _decode_combine_kernel[(B * Hq,)](
-            m, l, o, out, *out.stride(), Hq, D, S,
-            BLOCK_SPLITS=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-        )
+        grid, args, kwargs = _combine_args(m, l, o, out)
+        _decode_combine_kernel[grid](*args, **kwargs)
     return out
 
 
-def split_attention(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block_s: int,
+def split_attention(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block_s: int | None = None,
                     mask_length: bool = True) -> torch.Tensor:
     """The split kernel then the combine, whatever ``num_splits`` (one split too); inputs already validated."""
     m, l, o, _ = split_partials(q, k_cache, v_cache, cache_seqlens, num_splits, block_s=block_s,
@@ -517,7 +606,8 @@ def split_attention(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, bloc
     return combine(m, l, o, out_dtype=q.dtype)
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, *, num_splits: int, block_s: int, mask_length: bool) -> torch.Tensor:
+def _launch(q, k_cache, v_cache, cache_seqlens, *, num_splits: int, block_s: int | None,
+            mask_length: bool) -> torch.Tensor:
     """What :func:`decode_attention` runs once its arguments are checked: the single-pass kernel for one
     split, the split kernel and the combine for more. ``mask_length=False`` is the broken variant
     that reads every tile whole (past the sequence's length, or into the next chunk)."""
@@ -531,15 +621,74 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_s: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its first ``cache_seqlens[b]`` cached positions.
 
-    q (B, Hq, D), k_cache and v_cache (B, Hkv, S_max, D) with Hq a multiple of Hkv, cache_seqlens (B,)
-    integers in [0, S_max]; any strides. Returns (B, Hq, D) in q's dtype; zeros where the cache is empty.
+    q (B, Hq, D), k_cache and v_cache (B, Hkv, S_max, D) with Hq a multiple of Hkv (at most
+    MAX_GROUP query heads per K/V head), cache_seqlens (B,) integers in [0, S_max]; any strides.
+    Returns (B, Hq, D) in q's dtype; zeros where the cache is empty.
 
     ``num_splits`` (an int in [1, MAX_SPLITS]) cuts each cache into that many chunks: 1 runs the
     single-pass kernel (:func:`decode_grid` programs), more the split kernel (:func:`split_grid`)
     and the combine. None (the default) is :func:`default_num_splits`: enough splits to fill this
     GPU (:func:`choose_num_splits`), 1 under the interpreter. ``block_s`` (cache positions per loop
-    iteration, a power of two >= 8) defaults to :func:`default_block_s`.
+    iteration, a power of two >= 16) defaults to :func:`default_tiles`'.
     """
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens)
     num_splits, block_s = resolve_launch(q, k_cache, cache_seqlens, num_splits, block_s, "decode_attention")
     return _launch(q, k_cache, v_cache, cache_seqlens, num_splits=num_splits, block_s=block_s, mask_length=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile jobs at real models' sizes (K/V heads of a 32k cache, fp16)
+
+# (label, query heads, K/V heads, head dim)
+REAL_CONFIGS = (
+    ("Llama-2-7B (MHA)", 32, 32, 128),
+    ("Llama-3-8B", 32, 8, 128),
+    ("Qwen2.5-7B", 28, 4, 128),
+    ("Llama-2-70B", 64, 8, 128),
+    ("Falcon-7B (MQA)", 71, 1, 64),
+)
+
+
+def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 1, cache_len: int = 32768, num_splits: int = 1,
+               tiles: DecodeTiles | None = None, unified: bool = False, dtype=torch.float16, target: str = "sm90"):
+    """The job of a GPU launch at these sizes on meta tensors: the single-pass kernel for one split,
+    the split kernel for more (``unified``: FlashDecoding++'s loop); ``tiles`` default to :func:`gpu_tiles`."""
+    from kernels import inspect as ki
+
+    q = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(batch, hkv, cache_len, head_dim, dtype=dtype, device="meta")
+    lens = torch.empty(batch, dtype=torch.int32, device="meta")
+    tiles = tiles or gpu_tiles(hq // hkv, head_dim)
+    if num_splits == 1 and not unified:
+        out = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
+        _, args, kwargs = _single_pass_args(q, k, k, lens, out, tiles)
+        return ki.launch_job(_decode_attention_kernel, *args, target=target, **kwargs)
+    m = torch.empty(batch, hq, num_splits, device="meta")
+    o = torch.empty(batch, hq, num_splits, head_dim, device="meta")
+    flags = torch.empty(batch, hkv, num_splits, dtype=torch.int32, device="meta")
+    _, args, kwargs = _split_args(q, k, k, lens, m, m, o, flags, num_splits, tiles,
+                                  unified=(0.0, -80.0, 80.0) if unified else None)
+    return ki.launch_job(_decode_split_kernel, *args, target=target, **kwargs)
+
+
+def combine_job(batch: int, hq: int, num_splits: int, head_dim: int, *, dtype=torch.float16):
+    """The combine kernel's job for (batch, hq) rows of ``num_splits`` partials, on meta tensors."""
+    from kernels import inspect as ki
+
+    m = torch.empty(batch, hq, num_splits, device="meta")
+    o = torch.empty(batch, hq, num_splits, head_dim, device="meta")
+    out = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
+    _, args, kwargs = _combine_args(m, m, o, out)
+    return ki.launch_job(_decode_combine_kernel, *args, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The single pass at :data:`REAL_CONFIGS` (batch 32, a 32k cache), the default split at batch 1
+    (64 splits: :func:`choose_num_splits` on 132 SMs) with both softmax loops, and its combine."""
+    jobs = {f"{label} decode, group {hq // hkv}, D={d}, batch 32": launch_job(hq, hkv, d, batch=32)
+            for label, hq, hkv, d in REAL_CONFIGS}
+    jobs["Llama-3-8B decode, 64 splits, batch 1"] = launch_job(32, 8, 128, num_splits=MAX_SPLITS)
+    jobs["Llama-3-8B decode, 64 splits, unified max"] = launch_job(32, 8, 128, num_splits=MAX_SPLITS, unified=True)
+    jobs["Falcon-7B decode, 64 splits, batch 1"] = launch_job(71, 1, 64, num_splits=MAX_SPLITS)
+    jobs["Llama-3-8B combine, 64 splits"] = combine_job(1, 32, MAX_SPLITS, 128)
+    return jobs
