@@ -267,6 +267,35 @@ class TritonJob:
     # Set by launch_job: {argument: [["tt.divisibility", 16]]}, exactly what the binder derived.
     attrs: dict[str, list] | None = None
     options: dict = field(default_factory=dict)  # further launch options (maxnreg, num_ctas ...)
+    grid: tuple[int, ...] | None = None  # the launch's grid, when launch_job was told it
+
+    @property
+    def programs(self) -> int | None:
+        """Programs (thread blocks) the launch starts, from ``grid``; None when the grid is not known."""
+        if self.grid is None:
+            return None
+        total = 1
+        for g in self.grid:
+            total *= g
+        return total
+
+    def unspecialized(self) -> "TritonJob":
+        """This job as a hand-written signature compiled it before :func:`launch_job`: every integer a
+        plain ``i32`` (no divisibility hint, a 1 not folded), every pointer marked 16-byte aligned.
+        The "before" of a before/after comparison (see ``tools.aot_before_after``)."""
+        declared = {a for a in _arg_names(self.kernel) if not _is_specialised_runtime_arg(self.kernel, a)}
+        signature, constexprs = {}, {}
+        for arg in _arg_names(self.kernel):
+            kind = self.signature.get(arg)
+            if arg in declared:
+                if arg in self.constexprs:
+                    constexprs[arg] = self.constexprs[arg]
+            elif kind == "constexpr":      # an integer 1 the binder folded: a plain i32 again
+                signature[arg] = "i32"
+            elif kind is not None:
+                signature[arg] = kind
+        return TritonJob(self.kernel, signature, constexprs=constexprs, num_warps=self.num_warps,
+                         num_stages=self.num_stages, options=dict(self.options), grid=self.grid)
 
     def spec(self) -> dict:
         fn = getattr(self.kernel, "fn", self.kernel)
@@ -317,7 +346,7 @@ def _is_specialised_runtime_arg(kernel, arg: str) -> bool:
     return "constexpr" not in str(param.annotation)
 
 
-def launch_job(kernel, *args, target: str | int = "sm90", **kwargs) -> TritonJob:
+def launch_job(kernel, *args, target: str | int = "sm90", grid=None, **kwargs) -> TritonJob:
     """The job a launch ``kernel[grid](*args, **kwargs)`` on an NVIDIA GPU would compile.
 
     The arguments are what the launcher passes: tensors (real ones, or on the ``meta`` device to
@@ -326,7 +355,8 @@ def launch_job(kernel, *args, target: str | int = "sm90", **kwargs) -> TritonJob
     (``triton.runtime.jit.create_function_from_signature`` with the CUDA backend) specialises them
     exactly as on a GPU: an integer equal to 1 becomes a constexpr, an integer or a pointer divisible
     by 16 carries ``tt.divisibility``, ``do_not_specialize`` is honoured. No GPU and no driver are
-    needed, and nothing is launched.
+    needed, and nothing is launched. ``grid`` (optional) records the launch's grid on the job, so a
+    table can show how many programs the launch starts against the GPU's SMs.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
@@ -356,6 +386,7 @@ def launch_job(kernel, *args, target: str | int = "sm90", **kwargs) -> TritonJob
         kernel, dict(signature), constexprs={names[p[0]]: v for p, v in constexprs.items()},
         num_warps=options.num_warps, num_stages=options.num_stages,
         attrs={names[p[0]]: v for p, v in attrs.items() if v}, options=extra,
+        grid=None if grid is None else tuple(int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))),
     )
 
 
@@ -385,12 +416,17 @@ def _decode_constexpr(value):
     return value
 
 
-def compile_triton_many(jobs: list[TritonJob], *, archs=("sm90",)) -> list[dict[str, Build]]:
+def compile_triton_many(jobs: list[TritonJob], *, archs=("sm90",), errors: str = "raise") -> list[dict[str, Build]]:
     """Compile every job for every architecture in one fresh process (one interpreter start, not
     one per kernel): ``[{"sm90": Build, ...} for each job]``. A spill table over many kernels and
-    widths costs seconds this way."""
+    widths costs seconds this way.
+
+    ``errors="keep"``: a job that does not compile for one architecture (fp8 ``tl.dot`` on sm80, say)
+    gets a :class:`CompileError` in place of its Build there, and the others still compile."""
+    if errors not in ("raise", "keep"):
+        raise ValueError(f"compile_triton_many: errors must be 'raise' or 'keep', got {errors!r}")
     targets = [parse_arch(a) for a in archs]
-    specs = [dict(job.spec(), archs=[t.capability for t in targets]) for job in jobs]
+    specs = [dict(job.spec(), archs=[t.capability for t in targets], keep_errors=errors == "keep") for job in jobs]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["KERNELS_COMPILE_ONLY"] = "1"
     proc = subprocess.run(
@@ -403,6 +439,9 @@ def compile_triton_many(jobs: list[TritonJob], *, archs=("sm90",)) -> list[dict[
     for outs in json.loads(proc.stdout):
         builds = {}
         for target, out in zip(targets, outs):
+            if "error" in out:
+                builds[target.name] = CompileError(out["error"])
+                continue
             sass, usage = disassemble(base64.b64decode(out["cubin"]))
             regs = usage.get(out["metadata"]["name"], {})
             meta = dict(out["metadata"], registers=regs.get("REG"), local_bytes=regs.get("LOCAL"),
@@ -469,7 +508,11 @@ def _compile_in_this_process(spec: dict) -> list[dict]:
             )
         except Exception as err:  # triton raises several types; keep its message, name the kernel
             first = str(err).strip().splitlines()
-            raise CompileError(f"Triton could not compile {fn.__name__} for sm{cap}: {' '.join(first[-3:])}") from err
+            message = f"Triton could not compile {fn.__name__} for sm{cap}: {' '.join(first[-3:])}"
+            if spec.get("keep_errors"):
+                results.append({"error": message})
+                continue
+            raise CompileError(message) from err
         meta = compiled.metadata
         results.append({
             "ptx": compiled.asm["ptx"],

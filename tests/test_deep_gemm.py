@@ -73,12 +73,44 @@ def test_promotion_bounds_the_accumulation_error():
     assert D.chop(torch.tensor([1.0 + 2**-20]), 13).item() == 1.0
 
 
-def test_sm90_build_qgmma_without_spills():
-    ints = ["M", "N", "K", "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_cm", "stride_cn",
-            "stride_sam", "stride_sak", "stride_swn", "stride_swk"]
-    sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sw_ptr": "*fp32",
-           **{k: "i32" for k in ints}}
+def test_block_n_that_straddles_two_weight_scales_is_refused():
+    _, _, q = make(8, 256, 300)
+    with pytest.raises(ValueError, match="BLOCK_N=256 does not divide 128"):
+        D.deep_gemm(*q, block_mn=(64, 256))
+    for bad in ((64, 96), (8, 64), [64, 64], (64.0, 64)):
+        with pytest.raises(ValueError, match="block_mn"):
+            D.deep_gemm(*q, block_mn=bad)
+
+
+def test_the_refusal_guards_a_real_wrong_answer():
+    """Launched past the check, BLOCK_N=256 applies block row 0's weight scale to columns 128-255 too."""
+    _, _, q = make(8, 256, 300, seed=5)
+    aq, sa, wq, sw = q
+    sw = sw.clone()
+    sw[1] *= 4.0                                                    # block rows must differ for the bug to show
+    c = torch.empty(8, 300, dtype=torch.float32, device=DEV)
+    grid, args, kwargs = D._launch_args(aq, wq, c, sa, sw, block_mn=(16, 256))
+    D._deep_gemm_kernel[grid](*args, **kwargs)
+    with pytest.raises(MismatchError):
+        check(c, (aq, sa, wq, sw))
+    check(D.deep_gemm(aq, sa, wq, sw, out_dtype=torch.float32, block_mn=(16, 128)), (aq, sa, wq, sw))
+
+
+@pytest.fixture(scope="module")
+def builds():
+    jobs = D.compile_jobs()
+    return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm90", "sm100"))))
+
+
+def test_gpu_tile_compiles_pipelined_without_spills(builds):
+    """DeepSeek-V3's up projection with the launcher's GPU tile, as a launch compiles it."""
     bm, bn = D.GPU_TILE
-    b = ki.compile_triton(D._deep_gemm_kernel, sig, arch="sm90", num_warps=8,
-                          constexprs=dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, PER_BLOCK_SCALES=True))
-    assert b.families()["QGMMA"] > 0 and b.spills == 0
+    label = next(k for k in builds if f"{bm}x{bn}x128" in k)
+    sm90, sm100 = builds[label]["sm90"], builds[label]["sm100"]
+    assert D.GPU_TILE == (128, 128)
+    assert sm90.tensor_core == "QGMMA" and sm100.tensor_core == "UTCQMMA"
+    for b in (sm90, sm100):
+        assert b.spills == 0 and b.metadata["stack_bytes"] == 0
+        assert b.async_copies["LDGSTS"] > 0 and b.metadata["num_stages"] == 3
+    assert sm90.metadata["shared_bytes"] == 3 * 2 * 128 * 128        # 3 buffers of a 128x128 A and W tile, fp8
+    assert all(job.attrs and job.grid for job in D.compile_jobs().values())

@@ -49,10 +49,27 @@ def test_matmul_ws_refuses_what_tma_cannot_load():
         S.matmul_ws(torch.zeros(8, 8, dtype=torch.float16), torch.zeros(8, 8))
 
 
-def test_sm90_build_is_warp_specialized():
-    b = ki.compile_triton(S._matmul_ws_kernel, {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "M": "i32", "N": "i32",
-                                                "K": "i32"}, arch="sm90", num_warps=4,
-                          constexprs=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3))
-    fam = b.families()
-    assert fam["USETMAXREG"] > 0 and fam["HGMMA"] > 0 and fam["UTMALDG"] > 0 and b.spills == 0
-    assert "setmaxnreg.dec" in b.ptx and "setmaxnreg.inc" in b.ptx
+@pytest.fixture(scope="module")
+def ws_builds():
+    jobs = {"launch": S.launch_job(4096, 8192, 28672), "8 warps": S.launch_job(4096, 8192, 28672, num_warps=8)}
+    return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm90", "sm100"))))
+
+
+def test_sm90_build_has_a_producer_and_two_consumer_warp_groups(ws_builds):
+    """At 4 warps Triton 3.7 builds CUTLASS's cooperative shape on sm90a: a TMA producer group and two
+    wgmma consumer groups, each on half of the 128-row tile, with setmaxnreg 40 / 232."""
+    b = ws_builds["launch"]["sm90"]
+    assert S.partition_roles(b.ttgir) == ["load", "mma", "mma"]
+    assert S.setmaxnreg(b.ptx) >= {("dec", 40), ("inc", 232)}
+    assert b.families()["UTMALDG"] > 0 and b.tensor_core == "HGMMA" and b.spills == 0
+
+
+def test_eight_warps_drop_warp_specialization_on_sm90(ws_builds):
+    b = ws_builds["8 warps"]["sm90"]
+    assert S.partition_roles(b.ttgir) == [] and not S.setmaxnreg(b.ptx)
+    assert b.families()["UTMALDG"] > 0 and b.spills == 0                # still TMA, software-pipelined
+
+
+def test_sm100_build_is_warp_specialized(ws_builds):
+    b = ws_builds["launch"]["sm100"]
+    assert "mma" in S.partition_roles(b.ttgir) and b.tensor_core == "UTCHMMA" and b.spills == 0

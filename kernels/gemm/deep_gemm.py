@@ -20,9 +20,12 @@ from kernels import runtime
 from kernels.quant.fp8 import E4M3
 
 GROUP = 128   # elements of K per scale
-# (BLOCK_M, BLOCK_N) on a GPU: the running sum and the per-block partial are two fp32 tiles, so the
-# 128x128 tile at 8 warps spills on sm90a; 128x64 does not (tests/test_deep_gemm.py).
-GPU_TILE = (128, 64)
+# (BLOCK_M, BLOCK_N) on a GPU, from the build a launch compiles (launch_job at DeepSeek-V3's sizes):
+# 128x128 at 8 warps holds the running sum and the per-block partial in 179 registers on sm90a, no
+# spills, 3 cp.async stages in 96 KiB (tests/test_deep_gemm.py). An earlier 128x64 rested on a build
+# with no divisibility hints (255 registers, 45 spills), which no GPU launch compiles.
+GPU_TILE = (128, 128)
+CPU_TILE = (64, 64)
 
 
 def quantize_blockwise(a: torch.Tensor, w: torch.Tensor):
@@ -72,7 +75,7 @@ def _deep_gemm_kernel(a_ptr, w_ptr, c_ptr, sa_ptr, sw_ptr, M, N, K,
     a_offs = rr[:, None] * stride_am + ks[None, :] * stride_ak          # (BLOCK_M, BLOCK_K)
     w_offs = ks[:, None] * stride_wk + cc[None, :] * stride_wn          # (BLOCK_K, BLOCK_N): W^T tile
     sa_rows = sa_ptr + (row0 + rr).to(tl.int64) * stride_sam            # (BLOCK_M,) this tile's activation scales
-    sw_blk = sw_ptr + (col0 // 128) * stride_swn                        # the weight block row (BLOCK_N <= 128)
+    sw_blk = sw_ptr + (col0 // 128) * stride_swn                        # the weight block row: 128 % BLOCK_N == 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_ptr + a_offs, mask=ks[None, :] < K - kb * BLOCK_K, other=0.0)
@@ -108,14 +111,65 @@ def deep_gemm(a_q, scale_a, w_q, scale_w, *, out_dtype=torch.bfloat16, block_mn=
         raise TypeError("deep_gemm: scale_a and scale_w must be float32")
     if a_q.device.type != runtime.device().type:
         raise ValueError(f"deep_gemm: inputs must be on {runtime.device()}")
-    bm, bn = block_mn or (GPU_TILE if runtime.runtime().on_gpu else (64, 64))
+    bm, bn = _check_block(block_mn or (GPU_TILE if runtime.runtime().on_gpu else CPU_TILE))
     c = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
-    _deep_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        a_q, w_q, c, scale_a, scale_w, M, N, K,
-        a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), c.stride(0), c.stride(1),
-        scale_a.stride(0), scale_a.stride(1), scale_w.stride(0), scale_w.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, PER_BLOCK_SCALES=_per_block_scales, num_warps=8 if bm == 128 else 4)
+    grid, args, kwargs = _launch_args(a_q, w_q, c, scale_a, scale_w, block_mn=(bm, bn), per_block_scales=_per_block_scales)
+    _deep_gemm_kernel[grid](*args, **kwargs)
     return c
+
+
+def _check_block(block_mn):
+    """(BLOCK_M, BLOCK_N): powers of two from 16, and BLOCK_N dividing 128, so that every column of a
+    tile shares one weight scale (the kernel loads one per K block). A BLOCK_N of 256 would straddle
+    two 128-row scale blocks and apply the first one's scale to both (tests/test_deep_gemm.py)."""
+    if not (isinstance(block_mn, tuple) and len(block_mn) == 2 and all(isinstance(v, int) for v in block_mn)):
+        raise ValueError(f"deep_gemm: block_mn must be a (BLOCK_M, BLOCK_N) tuple of ints, got {block_mn!r}")
+    bm, bn = block_mn
+    if any(v < 16 or v & (v - 1) for v in block_mn):
+        raise ValueError(f"deep_gemm: block_mn must be powers of two from 16, got {block_mn}")
+    if GROUP % bn:
+        raise ValueError(f"deep_gemm: BLOCK_N={bn} does not divide {GROUP}: a tile would span two weight scale "
+                         f"blocks and get one scale for both; use BLOCK_N <= {GROUP}")
+    return bm, bn
+
+
+def _launch_args(a_q, w_q, c, scale_a, scale_w, *, block_mn, per_block_scales: bool = True):
+    """(grid, args, kwargs) of one launch of :func:`_deep_gemm_kernel`: shared by :func:`deep_gemm`
+    and :func:`compile_jobs` (the AOT build is the launch). No check of ``block_mn`` here."""
+    (M, K), N = a_q.shape, w_q.shape[0]
+    bm, bn = block_mn
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    args = (a_q, w_q, c, scale_a, scale_w, M, N, K,
+            a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), c.stride(0), c.stride(1),
+            scale_a.stride(0), scale_a.stride(1), scale_w.stride(0), scale_w.stride(1))
+    kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, PER_BLOCK_SCALES=per_block_scales,
+                  num_warps=8 if bm == 128 else 4)
+    return grid, args, kwargs
+
+
+# DeepSeek-V3's config.json: hidden 7168, dense-MLP intermediate 18432 (the first three layers; the
+# experts' is 2048): the dense up projection in a 4096-token prefill.
+DEEPSEEK_V3_UP = (4096, 7168, 18432)   # (M tokens, K hidden, N intermediate)
+
+
+def launch_job(M: int, K: int, N: int, *, block_mn=GPU_TILE):
+    """The AOT job of :func:`deep_gemm` at A (M, K) x W (N, K)^T with ``block_mn``, bf16 out."""
+    from kernels import inspect as ki
+
+    meta = lambda *shape, dtype: torch.empty(*shape, device="meta", dtype=dtype)  # noqa: E731
+    kb, nb = -(-K // GROUP), -(-N // GROUP)
+    a_q, w_q = meta(M, K, dtype=torch.float8_e4m3fn), meta(N, K, dtype=torch.float8_e4m3fn)
+    c = meta(M, N, dtype=torch.bfloat16)
+    scale_a, scale_w = meta(M, kb, dtype=torch.float32), meta(nb, kb, dtype=torch.float32)
+    grid, args, kwargs = _launch_args(a_q, w_q, c, scale_a, scale_w, block_mn=block_mn)
+    return ki.launch_job(_deep_gemm_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The block-scaled FP8 GEMM at DeepSeek-V3's dense up projection (4096 tokens x 7168 -> 18432)."""
+    M, K, N = DEEPSEEK_V3_UP
+    return {f"DeepSeek-V3 dense up proj, 4096 tokens: {bm}x{bn}x128, {8 if bm == 128 else 4} warps":
+            launch_job(M, K, N, block_mn=(bm, bn)) for bm, bn in (GPU_TILE, (128, 64))}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -108,7 +108,8 @@ def _matmul_naive_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
 
 @triton.jit
 def _mainloop(acc, a_ptr, b_ptr, M, N, K, row0, col0, stride_am, stride_ak, stride_bk, stride_bn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+              CLAMP_EDGES: tl.constexpr = False):
     """acc (BLOCK_M, BLOCK_N) += A[row0:row0+BM, :] @ B[:, col0:col0+BN], BLOCK_K columns of A at a time."""
     # The tile's corner in int64 (row0 * stride_am passes 2**31 once M*K passes 2G elements);
     # offsets inside the tile stay int32, half the registers of a tile of 64-bit pointers.
@@ -117,13 +118,23 @@ def _mainloop(acc, a_ptr, b_ptr, M, N, K, row0, col0, stride_am, stride_ak, stri
     r = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    # Rows past M and columns past N re-read the last row / column (clamped): always in bounds and
-    # never stored, so only the K tail needs a mask inside the loop.
-    a_offs = tl.minimum(r, M - 1 - row0)[:, None] * stride_am + ks[None, :] * stride_ak   # (BLOCK_M, BLOCK_K)
-    b_offs = ks[:, None] * stride_bk + tl.minimum(c, N - 1 - col0)[None, :] * stride_bn   # (BLOCK_K, BLOCK_N)
+    if CLAMP_EDGES:
+        # The chapter's counterexample: rows past M and columns past N re-read the last one, so only
+        # K is masked. Correct, but the clamp along B's unit-stride axis hides that its columns are
+        # contiguous: B's loads become scalar LDG + STS, outside the cp.async pipeline.
+        a_offs = tl.minimum(r, M - 1 - row0)[:, None] * stride_am + ks[None, :] * stride_ak
+        b_offs = ks[:, None] * stride_bk + tl.minimum(c, N - 1 - col0)[None, :] * stride_bn
+        rows_in = tl.full((BLOCK_M, 1), True, tl.int1)                            # every (clamped) row is in
+        cols_in = tl.full((1, BLOCK_N), True, tl.int1)
+    else:
+        a_offs = r[:, None] * stride_am + ks[None, :] * stride_ak                # (BLOCK_M, BLOCK_K)
+        b_offs = ks[:, None] * stride_bk + c[None, :] * stride_bn                # (BLOCK_K, BLOCK_N)
+        rows_in = (r < M - row0)[:, None]                                        # loop-invariant edge masks
+        cols_in = (c < N - col0)[None, :]
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + a_offs, mask=ks[None, :] < K - k0, other=0.0)   # zeros past K add nothing
-        b = tl.load(b_ptr + b_offs, mask=ks[:, None] < K - k0, other=0.0)
+        k_in = ks < K - k0                                                        # zeros past K add nothing
+        a = tl.load(a_ptr + a_offs, mask=rows_in & k_in[None, :], other=0.0)    # (BLOCK_M, BLOCK_K)
+        b = tl.load(b_ptr + b_offs, mask=k_in[:, None] & cols_in, other=0.0)    # (BLOCK_K, BLOCK_N)
         if UPCAST:   # bf16 under the interpreter: tl.dot would multiply bit patterns
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")              # acc += A_tile @ B_tile
@@ -156,13 +167,13 @@ def _matmul_grouped_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, UPCAST: tl.constexpr,
-    SHORT_LAST_GROUP: tl.constexpr = True,
+    SHORT_LAST_GROUP: tl.constexpr = True, CLAMP_EDGES: tl.constexpr = False,
 ):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M, SHORT_LAST_GROUP)
     row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N                     # the tile's first row and column of C
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _mainloop(acc, a_ptr, b_ptr, M, N, K, row0, col0, stride_am, stride_ak, stride_bk, stride_bn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, CLAMP_EDGES)
     _epilogue_store(acc, c_ptr, bias_ptr, M, N, row0, col0, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS, EPILOGUE)
 
 
@@ -188,26 +199,34 @@ def upcast_needed(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not runtime.runtime().on_gpu
 
 
+def _naive_launch_args(a, b, c, block: int):
+    """(grid, args, kwargs) of one launch of the naive kernel: shared by :func:`matmul_naive` and
+    :func:`compile_jobs`, so the AOT build is the launch."""
+    (M, K), N = a.shape, b.shape[1]
+    grid = (triton.cdiv(M, block), triton.cdiv(N, block))
+    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    return grid, args, dict(BLOCK_M=block, BLOCK_N=block)
+
+
 def matmul_naive(a: torch.Tensor, b: torch.Tensor, *, block: int = 32) -> torch.Tensor:
     """Step 1: ``a @ b`` with scalar FMAs per output element (no tensor cores); the inputs' dtype out."""
     check_inputs("matmul_naive", a, b)
-    (M, K), N = a.shape, b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    _matmul_naive_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](
-        a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=block, BLOCK_N=block)
+    c = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    grid, args, kwargs = _naive_launch_args(a, b, c, block)
+    _matmul_naive_kernel[grid](*args, **kwargs)
     return c
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, epilogue: str | None = None,
            out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, tiles=None,
-           _short_last_group: bool = True) -> torch.Tensor:
+           _short_last_group: bool = True, _clamp_edges: bool = False) -> torch.Tensor:
     """``epilogue(a @ b + bias)`` in ``out_dtype`` (default: the inputs' dtype), grouped tile order.
 
     ``a`` (M, K) and ``b`` (K, N): fp16, bf16 or fp32, any strides; ``bias`` (N,); ``epilogue``
     None, "relu" or "silu"; ``out`` an (M, N) tensor to write into; ``tiles`` a
     (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) tuple, by default ``tiles_for()``.
-    ``_short_last_group=False`` runs the broken tile mapping the tests must catch.
+    ``_short_last_group=False`` runs the broken tile mapping the tests must catch; ``_clamp_edges=True``
+    the first version's clamped edges (right, but B's loads leave the pipeline: the chapter's AOT check).
     """
     check_inputs("matmul", a, b)
     if epilogue not in EPILOGUES:
@@ -220,15 +239,62 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != out_dtype:
         raise ValueError(f"matmul: out must be ({M}, {N}) {out_dtype}, got {tuple(out.shape)} {out.dtype}")
-    bm, bn, bk, group_m, warps, stages = tiles or tiles_for()
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _matmul_grouped_kernel[grid](
-        a, b, out, bias if bias is not None else out, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue or "none", UPCAST=upcast_needed(a.dtype), SHORT_LAST_GROUP=_short_last_group,
-        num_warps=warps, num_stages=stages)
+    grid, args, kwargs = _grouped_launch_args(a, b, out, bias, epilogue=epilogue, tiles=tiles or tiles_for(),
+                                              short_last_group=_short_last_group, clamp_edges=_clamp_edges)
+    _matmul_grouped_kernel[grid](*args, **kwargs)
     return out
+
+
+def _grouped_launch_args(a, b, out, bias, *, epilogue, tiles, short_last_group: bool = True,
+                         clamp_edges: bool = False):
+    """(grid, args, kwargs) of one launch of :func:`_matmul_grouped_kernel`, shared by :func:`matmul`
+    and :func:`compile_jobs` (the AOT build is the launch)."""
+    (M, K), N = a.shape, b.shape[1]
+    bm, bn, bk, group_m, warps, stages = tiles
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    args = (a, b, out, bias if bias is not None else out, M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
+    kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, HAS_BIAS=bias is not None,
+                  EPILOGUE=epilogue or "none", UPCAST=upcast_needed(a.dtype), SHORT_LAST_GROUP=short_last_group,
+                  CLAMP_EDGES=clamp_edges, num_warps=warps, num_stages=stages)
+    return grid, args, kwargs
+
+
+# Real sizes: Llama-3-70B (hidden 8192, MLP 28672) in a 4096-token prefill.
+LLAMA3_70B_UP = (4096, 8192, 28672)   # (M tokens, K hidden, N intermediate)
+
+
+def meta_operands(M: int, K: int, N: int, dtype=torch.float16, *, bias: bool = False):
+    """A (M, K), B (K, N), C (M, N) and the bias (N,) on the meta device: a real model's sizes, no memory."""
+    def meta(*shape):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+    return meta(M, K), meta(K, N), meta(M, N), meta(N) if bias else None
+
+
+def launch_job(M: int, K: int, N: int, *, tiles, dtype=torch.float16, epilogue: str | None = "silu",
+               clamp_edges: bool = False):
+    """The AOT job of ``matmul`` at (M, K) @ (K, N) with ``tiles``: bias and ``epilogue`` fused."""
+    from kernels import inspect as ki
+
+    a, b, c, bias = meta_operands(M, K, N, dtype, bias=True)
+    grid, args, kwargs = _grouped_launch_args(a, b, c, bias, epilogue=epilogue, tiles=tiles, clamp_edges=clamp_edges)
+    return ki.launch_job(_matmul_grouped_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The naive and grouped kernels at Llama-3-70B's up projection (4096-token prefill), with each
+    target's tiles; the grouped kernel with its bias + SiLU epilogue."""
+    from kernels import inspect as ki
+
+    M, K, N = LLAMA3_70B_UP
+    a, b, c, _ = meta_operands(M, K, N)
+    grid, args, kwargs = _naive_launch_args(a, b, c, 64)
+    jobs = {"Llama-3-70B up proj, 4096 tokens: naive 64x64": ki.launch_job(_matmul_naive_kernel, *args, grid=grid, **kwargs)}
+    for arch in ("sm80", "sm90", "sm100"):
+        tiles = TILES[arch]
+        label = "Llama-3-70B up proj, 4096 tokens: grouped {}x{}x{}, {} warps, {} stages".format(*tiles[:3], *tiles[4:])
+        jobs.setdefault(label, launch_job(M, K, N, tiles=tiles))
+    return jobs
 
 
 # ------------------------------------------------------------------------------------------------

@@ -66,19 +66,40 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"matmul: inputs are on {a.device}, kernels run on {runtime.device()} here")
 
 
+def _launch_args(a, b, c, block_m: int, block_n: int, block_k: int):
+    """(grid, args, kwargs) of one launch of the tiled kernel: shared by the launchers and :func:`compile_jobs`."""
+    (M, K), N = a.shape, b.shape[1]
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    return grid, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
 def _launch(kernel, a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int) -> torch.Tensor:
     """Validate, allocate C (M, N) in the inputs' dtype, and run ``kernel`` on one program per tile."""
     _check_inputs(a, b)
-    M, K = a.shape
-    N = b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    kernel[grid](
-        a, b, c, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+    c = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    grid, args, kwargs = _launch_args(a, b, c, block_m, block_n, block_k)
+    kernel[grid](*args, **kwargs)
     return c
+
+
+def launch_job(M: int, K: int, N: int, *, block=(64, 64, 32), dtype=torch.float16):
+    """The AOT job of :func:`matmul` at (M, K) @ (K, N) with ``block`` = (BLOCK_M, BLOCK_N, BLOCK_K)."""
+    from kernels import inspect as ki
+
+    a = torch.empty(M, K, device="meta", dtype=dtype)
+    b = torch.empty(K, N, device="meta", dtype=dtype)
+    c = torch.empty(M, N, device="meta", dtype=dtype)
+    grid, args, kwargs = _launch_args(a, b, c, *block)
+    return ki.launch_job(_matmul_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The tiled kernel at Llama-3-70B's up projection (4096 tokens x 8192 -> 28672), as ``matmul``
+    launches it: its default 64x64x32 blocks and 128x128x64, both at Triton's default 4 warps."""
+    M, K, N = 4096, 8192, 28672
+    return {f"Llama-3-70B up proj, 4096 tokens: tiled {bm}x{bn}x{bk}, 4 warps": launch_job(M, K, N, block=(bm, bn, bk))
+            for bm, bn, bk in ((64, 64, 32), (128, 128, 64))}
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:

@@ -16,6 +16,7 @@ keep every stage full (loads hidden).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -109,22 +110,73 @@ def _matmul_ws_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     c_desc.store([row0, col0], acc.to(c_desc.dtype))
 
 
+def partition_roles(ttgir: str) -> list[str]:
+    """What each warp-specialized partition of a TTGIR does, default partition first: "load" (it
+    issues the TMA or cp.async copies), "mma" (wgmma / tcgen05.mma), or "other" (e.g. an epilogue).
+    Empty when the compiler built no ``ttg.warp_specialize`` region."""
+    if "ttg.warp_specialize(" not in ttgir:
+        return []
+    body = ttgir[ttgir.index("ttg.warp_specialize("):]
+    segments = re.split(r"^\s*(?:default \{|partition\d+\()", body, flags=re.M)[1:]
+    roles = []
+    for seg in segments:
+        if re.search(r"async_tma_copy_global_to_local|async_copy_global_to_local", seg):
+            roles.append("load")
+        elif re.search(r"warp_group_dot|tc_gen5_mma", seg):
+            roles.append("mma")
+        else:
+            roles.append("other")
+    return roles
+
+
+def setmaxnreg(ptx: str) -> set[tuple[str, int]]:
+    """The register budgets the PTX sets: {("dec", 40), ("inc", 232), ...} (``setmaxnreg``)."""
+    return {(op, int(n)) for op, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+
+
 def _alloc(size: int, alignment: int, stream):
     """Scratch memory for device-side tensor descriptors (Triton asks the host for it)."""
     return torch.empty(size, dtype=torch.int8, device=runtime.device())
 
 
-def matmul_ws(a: torch.Tensor, b: torch.Tensor, *, block=(64, 128, 64), num_stages: int = 3) -> torch.Tensor:
+def _launch_args(a, b, c, *, block, num_stages: int):
+    """(grid, args, kwargs) of one launch of the warp-specialized kernel, shared by :func:`matmul_ws`
+    and :func:`compile_jobs`. 4 warps is the consumer warp group Triton 3.7 builds on sm90a: it adds
+    a TMA producer group and splits the 128-row tile between two consumer groups (12 warps in all);
+    at num_warps=8 it drops the warp specialization on sm90a and only software-pipelines (the chapter)."""
+    (M, K), N = a.shape, b.shape[1]
+    bm, bn, bk = block
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    return grid, (a, b, c, M, N, K), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=num_stages, num_warps=4)
+
+
+def matmul_ws(a: torch.Tensor, b: torch.Tensor, *, block=(128, 128, 64), num_stages: int = 3) -> torch.Tensor:
     """``a @ b`` (fp16 or fp32, contiguous, rows 16-byte aligned) by the warp-specialized kernel."""
     check_inputs("matmul_ws", a, b, dtypes=(torch.float16, torch.float32))
     for name, t in (("a", a), ("b", b)):
         if not t.is_contiguous() or (t.shape[1] * t.element_size()) % 16:
             raise ValueError(f"matmul_ws: {name} must be contiguous with rows a multiple of 16 bytes (TMA), "
                              f"got shape {tuple(t.shape)} strides {t.stride()}")
-    (M, K), N = a.shape, b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    c = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
     triton.set_allocator(_alloc)
-    bm, bn, bk = block
-    _matmul_ws_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](a, b, c, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                                                 NUM_STAGES=num_stages, num_warps=4)
+    grid, args, kwargs = _launch_args(a, b, c, block=block, num_stages=num_stages)
+    _matmul_ws_kernel[grid](*args, **kwargs)
     return c
+
+
+def launch_job(M: int, K: int, N: int, *, block=(128, 128, 64), num_stages: int = 3, num_warps: int | None = None):
+    """The AOT job of :func:`matmul_ws` at (M, K) @ (K, N); ``num_warps`` overrides the launch's 4
+    (the chapter compiles 8 to show what Triton does with it)."""
+    from kernels import inspect as ki
+
+    a, b, c = (torch.empty(*s, device="meta", dtype=torch.float16) for s in ((M, K), (K, N), (M, N)))
+    grid, args, kwargs = _launch_args(a, b, c, block=block, num_stages=num_stages)
+    if num_warps is not None:
+        kwargs["num_warps"] = num_warps
+    return ki.launch_job(_matmul_ws_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The warp-specialized matmul at Llama-3-70B's up projection (4096 tokens x 8192 -> 28672)."""
+    return {"Llama-3-70B up proj, 4096 tokens: warp-specialized TMA 128x128x64, 4 warps":
+            launch_job(4096, 8192, 28672)}

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm.ladder import check_inputs, matmul_ref, upcast_needed
+from kernels.gemm.ladder import check_inputs, matmul_ref, meta_operands, upcast_needed
 
 matmul_splitk_ref = matmul_ref
 
@@ -65,12 +65,34 @@ def matmul_splitk(a: torch.Tensor, b: torch.Tensor, *, split_k: int = 4, block_m
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"matmul_splitk: split_k must be a positive int, got {split_k!r}")
     (M, K), N = a.shape, b.shape[1]
-    chunk = _k_chunk or split_chunk(K, split_k, block_k)
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
-    _matmul_splitk_kernel[grid](a, b, part, M, N, K, chunk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast_needed(a.dtype))
+    grid, args, kwargs = _launch_args(a, b, part, split_k=split_k, block=(block_m, block_n, block_k),
+                                      k_chunk=_k_chunk)
+    _matmul_splitk_kernel[grid](*args, **kwargs)
     return part.sum(dim=0).to(a.dtype)        # the fix-up: C = sum over splits, in fp32, one rounding
+
+
+def _launch_args(a, b, part, *, split_k: int, block, k_chunk: int | None = None):
+    """(grid, args, kwargs) of one split-K launch, shared by :func:`matmul_splitk` and :func:`compile_jobs`."""
+    (M, K), N = a.shape, b.shape[1]
+    block_m, block_n, block_k = block
+    chunk = k_chunk or split_chunk(K, split_k, block_k)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
+    args = (a, b, part, M, N, K, chunk, a.stride(0), a.stride(1), b.stride(0), b.stride(1))
+    return grid, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast_needed(a.dtype))
+
+
+def compile_jobs() -> dict:
+    """Split-K at Llama-3-70B's down projection in decode (16 tokens: 16 x 28672 -> 8192), the
+    launcher's default 64x64x32 tiles, 4 splits: 1 x 128 x 4 = 512 programs for 132 SMs."""
+    from kernels import inspect as ki
+
+    M, K, N = 16, 28672, 8192
+    a, b, _, _ = meta_operands(M, K, N)
+    part = torch.empty((4, M, N), device="meta", dtype=torch.float32)
+    grid, args, kwargs = _launch_args(a, b, part, split_k=4, block=(64, 64, 32))
+    return {"Llama-3-70B down proj, decode 16 tokens: split-K 4, 64x64x32":
+            ki.launch_job(_matmul_splitk_kernel, *args, grid=grid, **kwargs)}
 
 
 # ------------------------------------------------------------------------------------------------
