@@ -72,3 +72,16 @@ def test_awq_model_on_the_tiny_gpt():
     w0, w1 = model.blocks[1].mlp.w_down.weight, q.blocks[1].mlp.w_down.weight
     assert not torch.equal(w0, w1) and (w1 - w0).abs().max() < 0.1
     assert torch.equal(q.wte.weight, model.wte.weight)                            # embedding untouched
+
+
+def test_duo_scaling():
+    """w_bar is |W| over its group's max, averaged over rows (AutoAWQ); duo scales stay normalised. (Unlike
+    the plain search, alpha = 0 is s = 1 / w_bar here, not RTN, so duo can lose to RTN on its objective.)"""
+    w = torch.tensor([[1.0, -2.0, 4.0, 0.5], [2.0, 2.0, -1.0, 1.0]], dtype=torch.float64)
+    want = torch.tensor([(1 / 2 + 2 / 2) / 2, (2 / 2 + 2 / 2) / 2, (4 / 4 + 1 / 1) / 2, (0.5 / 4 + 1 / 1) / 2], dtype=torch.float64)
+    assert torch.allclose(awq.weight_absmean(w, 2), want, atol=1e-5)
+    x, w = _layer(seed=5)
+    s, alpha, errors = awq.awq_search(x, [w], 4, 32, duo=True)
+    assert torch.allclose(s.max() * s.min(), torch.tensor(1.0, dtype=torch.float64))
+    assert errors[round(alpha * 20)] == min(errors) and 0 <= alpha < 1
+    assert not torch.allclose(awq.awq_scales(awq.act_absmean(x), 0.0, awq.weight_absmean(w, 32)), torch.ones(96, dtype=torch.float64))
