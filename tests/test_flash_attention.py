@@ -9,6 +9,8 @@ import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import runtime
@@ -360,16 +362,16 @@ def test_alibi_matches_sdpa_with_a_float_mask():
 
 
 def test_alibi_without_the_bias_is_caught():
-    """BIAS off in the forward (plain attention) or only in the backward (P recomputed without it)."""
+    """HAS_ALIBI off in the forward (plain attention) or only in the backward (P recomputed without it)."""
     q, k, v = _qkv(1, 4, 2, 40, 40, 16, torch.float32, seed=23)
     want, slopes = _alibi_ref(q, k, v, True)
     slopes = slopes.float()
-    out, _ = flash_mod._FlashAttentionAlibi.apply(q, k, v, slopes, True, 0.25, 16, 16, False, True)
+    out, _ = flash_mod._FlashAttention.apply(q, k, v, slopes, True, 0.25, 16, 16, False, True)
     with pytest.raises(MismatchError):
         assert_close(out, want.float())
     qa, qb = q.clone().requires_grad_(), q.clone().requires_grad_()
-    flash_mod._FlashAttentionAlibi.apply(qa, k, v, slopes, True, 0.25, 16, 16, True, True)[0].sum().backward()
-    flash_mod._FlashAttentionAlibi.apply(qb, k, v, slopes, True, 0.25, 16, 16, True, False)[0].sum().backward()
+    flash_mod._FlashAttention.apply(qa, k, v, slopes, True, 0.25, 16, 16, True, True)[0].sum().backward()
+    flash_mod._FlashAttention.apply(qb, k, v, slopes, True, 0.25, 16, 16, True, False)[0].sum().backward()
     with pytest.raises(MismatchError):
         assert_close(qb.grad, qa.grad)
 
@@ -390,30 +392,122 @@ def test_alibi_bad_slopes_raise_clear_errors():
         flash_attention(q, k, v, True, alibi_slopes=[0.5] * 4)
 
 
-def test_alibi_kernels_compile_for_sm90_without_spills():
-    """The three ALiBi kernels at D = 128, fp16, with the launchers' default tiles and 8 warps: 64 x 64,
-    and 32 query rows for dQ (alibi_dq_block_m: 64 rows spill there, as they do for the plain dQ kernel)."""
-    from kernels import inspect as ki
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time builds, derived by kernels.inspect.launch_job from the launchers' own arguments
+# (flash.compile_jobs: meta tensors of an 8192-token fp16 prefill, causal, the GPU tiles)
 
-    def sig(kernel, consts):
-        out = {}
-        for n in kernel.arg_names:
-            if n in consts:
-                continue
-            if n.endswith("_ptr"):
-                out[n] = "*fp32" if n in ("lse_ptr", "delta_ptr", "slopes_ptr") else "*fp16"
-            else:
-                out[n] = "fp32" if n in ("qk_scale", "sm_scale") else "i32"
-        return out
+from kernels import inspect as ki  # noqa: E402
 
-    jobs = []
-    dq_rows = flash_mod.alibi_dq_block_m(64, 128)
-    for kernel, bm, stages in ((flash_mod._flash_fwd_alibi_kernel, 64, 2), (flash_mod._flash_bwd_dkdv_alibi_kernel, 64, 1),
-                               (flash_mod._flash_bwd_dq_alibi_kernel, dq_rows, 1)):
-        consts = dict(CAUSAL=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32", BIAS=True)
-        jobs.append(ki.TritonJob(kernel, sig(kernel, consts), constexprs=consts, num_warps=8, num_stages=stages))
-    builds = [b["sm90"] for b in ki.compile_triton_many(jobs, archs=("sm90",))]
-    table = ki.resource_table([(j.kernel.fn.__name__, b) for j, b in zip(jobs, builds)])
-    assert dq_rows == 32
-    for b in builds:
-        assert b.spills == 0 and b.metadata["stack_bytes"] == 0, table
+AOT_ARCHS = ("sm80", "sm90")
+
+
+def _aot_cases():
+    cases = dict(flash_mod.compile_jobs())
+    cases.update({f"Llama-3.2-1B-sized ALiBi prefill {p}, D=64": j
+                  for p, j in flash_mod.launch_jobs(32, 8, 64, alibi=True).items()})
+    # broken on purpose: dK/dV with 64 x 64 tiles at D = 128 and two stages, what the tile rule avoids
+    wide = flash_mod.Tiles(64, 64, 128, 8, 2)
+    cases["oversized dkdv 64x64, D=128"] = flash_mod.launch_jobs(32, 8, 128, bwd={"dkdv": wide, "dq": wide})["dkdv"]
+    return cases
+
+
+AOT_CASES = _aot_cases()
+
+
+@pytest.fixture(scope="module")
+def aot_builds():
+    return dict(zip(AOT_CASES, ki.compile_triton_many(list(AOT_CASES.values()), archs=AOT_ARCHS)))
+
+
+def test_builds_at_real_sizes_do_not_spill_and_pipeline(aot_builds):
+    """Forward, dK/dV and dQ at head dims 64 and 128, with and without ALiBi: no spills, no stack, K/V
+    (or Q/dO) tiles filled by cp.async on sm_80 and sm_90a, tensor cores on both."""
+    rows = [(f"{label} {a}", b[a]) for label, b in aot_builds.items() for a in AOT_ARCHS]
+    table = ki.resource_table(rows)
+    print(table)
+    for label, b in rows:
+        if label.startswith("oversized"):
+            continue
+        assert b.spills == 0 and b.metadata["stack_bytes"] == 0, f"{label} spills\n{table}"
+        assert b.async_copies["LDGSTS"] > 0 and b.tensor_core != "-", f"{label}\n{table}"
+
+
+def test_spill_check_catches_the_oversized_dkdv_tile(aot_builds):
+    for a in AOT_ARCHS:
+        assert aot_builds["oversized dkdv 64x64, D=128"][a].spills > 0
+
+
+def test_forward_splits_warps_along_query_rows_only(aot_builds):
+    """The default forward (128 rows, 8 warps) lays both products out with warpsPerCTA = [8, 1]: every
+    warp owns 16 whole query rows, so the row max and sum need no exchange between warps."""
+    import re
+    ttgir = aot_builds["Llama-3-8B prefill fwd, D=128"]["sm80"].ttgir
+    layouts = set(re.findall(r"#ttg\.nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", ttgir))
+    assert layouts == {("8", "1")}, layouts
+
+
+def _product_widths(job, build, arg):
+    runtime_args = [n for n, kind in job.signature.items() if kind != "constexpr"]     # in argument order
+    return ki.param_product_widths(build, runtime_args.index(arg))
+
+
+@pytest.mark.parametrize("part", ["fwd", "dkdv", "dq"])
+def test_ptx_uses_64bit_products_for_batch_head_and_tile_offsets(aot_builds, part):
+    """b * stride_b, h * stride_h and a tile's first row times stride_n are 64-bit in every kernel's
+    PTX (a (128, 32, 8192, 128) tensor has 2**32 elements); the offsets inside a tile stay 32-bit,
+    which the check tells apart (stride_qm enters both)."""
+    label = f"Llama-3-8B prefill {part}, D=128"
+    job, build = AOT_CASES[label], aot_builds[label]["sm90"]
+    for arg in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh"):
+        assert _product_widths(job, build, arg) == {64}, f"{part}: {arg}"
+    assert _product_widths(job, build, "stride_qm") == {32, 64}
+
+
+@triton.jit
+def _offset_probe(out_ptr, stride_b, stride_h, WIDE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if WIDE:
+        off = flash_mod._head_offset(b, h, stride_b, stride_h)
+    else:
+        off = b * stride_b + h * stride_h                  # what the kernels computed before: int32
+    tl.store(out_ptr + b * tl.num_programs(1) + h, off.to(tl.int64))
+
+
+def test_head_offsets_are_int64_past_2_31_elements():
+    """(128, 32, 8192, 128): head h of batch entry b starts at b * 2**25 + h * 2**20, past 2**31 from
+    b = 64 on. The interpreter computes in the kernel's own integer types: int32 wraps there too."""
+    B, H, N, D = 128, 32, 8192, 128
+    out = torch.zeros(B, H, dtype=torch.int64, device=DEVICE)
+    want = (torch.arange(B)[:, None] * (H * N * D) + torch.arange(H)[None, :] * (N * D)).to(torch.int64)
+    _offset_probe[(B, H)](out, H * N * D, N * D, WIDE=True)
+    assert int(want.max()) > 2**31 and torch.equal(out.cpu(), want)
+    _offset_probe[(B, H)](out, H * N * D, N * D, WIDE=False)
+    assert int(out.min()) < 0                              # the int32 form wraps: the test can fail
+
+
+def test_compile_jobs_are_the_launch():
+    jobs = flash_mod.compile_jobs()
+    fwd = jobs["Llama-3-8B prefill fwd, D=128"]
+    assert (fwd.constexprs["BLOCK_M"], fwd.constexprs["BLOCK_N"], fwd.num_warps) == flash_mod.FWD_TILE
+    assert fwd.constexprs["HAS_ALIBI"] is False and "slopes_ptr: =None" in fwd.specialization()
+    assert jobs["Llama-3-8B-sized ALiBi prefill dq, D=128"].constexprs["HAS_ALIBI"] is True
+    dkdv = jobs["Llama-3-8B prefill dkdv, D=128"]
+    assert (dkdv.constexprs["BLOCK_M"], dkdv.constexprs["BLOCK_N"], dkdv.num_warps) == flash_mod.DKDV_TILE[128]
+
+
+def _free_gpu_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if ON_GPU else 0
+
+
+@pytest.mark.skipif(_free_gpu_bytes() < 24 * 2**30,
+                    reason="needs a CUDA GPU with 24 GiB free: q, k, v, o of 2**31 + 2**25 elements each")
+def test_gpu_tensors_past_2_31_elements():
+    """B = 65, H = 32, N = 8192, D = 128: the last batch entry starts past 2**31 elements."""
+    B, H, N, D = 65, 32, 8192, 128
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    assert q.numel() > 2**31
+    out = flash_attention(q, k, v, True)
+    last = attention_ref(q[-1:, :2], k[-1:, :2], v[-1:, :2], True)
+    assert_close(out[-1:, :2], last, dtype=torch.float16, baseline=attention_ref(q[-1:, :2], k[-1:, :2], v[-1:, :2],
+                                                                                 True, upcast=False))

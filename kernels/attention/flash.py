@@ -41,10 +41,22 @@ Masking conventions are those of :mod:`kernels.attention.reference`: causal is b
 aligned (query i sees key j when j <= i + Nk - Nq); fully masked rows give output 0, lse -inf
 and zero gradients. Head dims up to 128 are padded to a power of two of at least 16 (80 and 96
 run as 128 with the extra columns masked).
+
+ALiBi (Press, Smith and Lewis, 2022) is the constexpr ``HAS_ALIBI`` of the same three kernels: one
+added line, S_ij -= slope_h |j - (i + Nk - Nq)| (the distance from query i's own position, aligned
+bottom-right as the causal mask; with the causal mask only j <= i + Nk - Nq remain and the bias is
+the paper's slope_h (j - i - Nk + Nq)). The bias depends on no input, so the backward's formulas are
+unchanged: only the recomputed P_ij = exp(S_ij - lse_i) includes it.
+
+Offsets: each kernel forms a head's base (b * stride_b + h * stride_h) and a tile's first row times
+its stride in int64, and only the offsets inside a tile in int32, so tensors past 2**31 elements
+(B = 128, H = 32, N = 8192, D = 128 is 2**32) address correctly; K/V pointers advance by 64-bit
+pointer arithmetic.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -59,12 +71,30 @@ LN2 = 0.6931471805599453
 
 
 # ----------------------------------------------------------------------------------------------
+# Offsets and the ALiBi bias
+
+
+@triton.jit
+def _head_offset(b, h, stride_b, stride_h):
+    """Element offset of head h of batch entry b, in int64: b * stride_b passes 2**31 once a tensor
+    does (B = 128, H = 32, N = 8192, D = 128 is 2**32 elements; entry 64 starts at 2**31)."""
+    return b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _alibi_bias(slope_log2, offs_m, offs_n, shift):
+    """ALiBi's -slope * |j - (i + shift)| in log2 units, (BLOCK_M, BLOCK_N)."""
+    dist = offs_n[None, :] - (offs_m[:, None] + shift)
+    return -slope_log2 * tl.abs(dist).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------
 # Forward, FlashAttention-2 loop order (the public kernel)
 
 
 @triton.jit
 def _flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -72,23 +102,27 @@ def _flash_fwd_kernel(
     stride_lb, stride_lh,
     Hq, Nq, Nk, D, GROUP, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, RESCALE: tl.constexpr, MASK_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr, RESCALE: tl.constexpr, MASK_KV: tl.constexpr,
 ):
     start_m = tl.program_id(0)                     # which block of BLOCK_M query rows
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
     hk = h // GROUP                                # the K/V head this query head reads (GQA/MQA)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)   # (BLOCK_M,) query rows
+    rows = tl.arange(0, BLOCK_M)                         # (BLOCK_M,) rows within the block
+    offs_m = start_m * BLOCK_M + rows                    # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)                       # (BLOCK_N,) key rows within a block
     offs_d = tl.arange(0, BLOCK_D)                       # (BLOCK_D,) head dim, padded
     m_ok = offs_m < Nq
     d_ok = offs_d < D
-
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    first_m = (start_m * BLOCK_M).to(tl.int64)           # 64-bit tile origins, small offsets inside a tile
+    q_tile = q_ptr + _head_offset(b, h, stride_qb, stride_qh) + first_m * stride_qm
+    q = tl.load(q_tile + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)          # Q_i, (BLOCK_M, BLOCK_D)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    k_ptrs = k_ptr + _head_offset(b, hk, stride_kb, stride_kh) + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + _head_offset(b, hk, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if HAS_ALIBI:
+        slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634   # this query head's slope, log2 units
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros((BLOCK_M,), tl.float32)                # running sum of exp2(s - m)
@@ -104,9 +138,11 @@ def _flash_fwd_kernel(
         n = start_n + offs_n
         n_ok = n < Nk
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # S_ij in log2 units
+        if HAS_ALIBI:
+            s = s + _alibi_bias(slope_log2, offs_m, n, shift)                   # S_ij - slope |j - i'|
         if MASK_KV:
             visible = n_ok[None, :]
         else:
@@ -124,13 +160,16 @@ def _flash_fwd_kernel(
             acc = acc * alpha[:, None]                    # A = alpha A ...
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)   # ... + P_ij V_j
         m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn                     # 64-bit pointers: no wrap however long
+        v_ptrs += BLOCK_N * stride_vn
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)                  # fully masked row: A = 0, output 0
     o = acc / l_safe[:, None]                             # O_i = A / l, once
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+    o_tile = o_ptr + _head_offset(b, h, stride_ob, stride_oh) + first_m * stride_om
+    tl.store(o_tile + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
              o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse, mask=m_ok)
+    tl.store(lse_ptr + _head_offset(b, h, stride_lb, stride_lh) + offs_m, lse, mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,20 +195,22 @@ def _flash_fwd_v1_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     shift = Nk - Nq
+    q_head = q_ptr + _head_offset(b, h, stride_qb, stride_qh)
+    k_head = k_ptr + _head_offset(b, hk, stride_kb, stride_kh)
+    v_head = v_ptr + _head_offset(b, hk, stride_vb, stride_vh)
+    row0 = bh.to(tl.int64) * Nq                           # this head's first row of the scratch
     for start_n in range(0, Nk, BLOCK_N):                 # outer: K_j, V_j loaded once each
         n = start_n + tl.arange(0, BLOCK_N)
         n_ok = n < Nk
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
+        k = tl.load(k_head + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         for start_m in range(0, Nq, BLOCK_M):             # inner: every Q_i, with O_i, l_i, m_i from HBM
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_ok = offs_m < Nq
-            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
-                        + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            row = bh * Nq + offs_m
+            q = tl.load(q_head + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            row = row0 + offs_m
             o_ptrs = o_ptr + row[:, None] * BLOCK_D + offs_d[None, :]
             o_old = tl.load(o_ptrs, mask=m_ok[:, None], other=0.0)           # O_i (normalised)
             m_old = tl.load(m_ptr + row, mask=m_ok, other=float("-inf"))     # m_i
@@ -215,43 +256,49 @@ def _flash_bwd_preprocess_kernel(
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m * BLOCK_M + rows
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < Nq)[:, None] & (offs_d < D)[None, :]
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                 mask=mask, other=0.0).to(tl.float32)
-    tl.store(delta_ptr + bh * Nq + offs_m, tl.sum(o * do, axis=1), mask=offs_m < Nq)
+    first_m = (start_m * BLOCK_M).to(tl.int64)
+    o_tile = o_ptr + _head_offset(b, h, stride_ob, stride_oh) + first_m * stride_om
+    do_tile = do_ptr + _head_offset(b, h, stride_gb, stride_gh) + first_m * stride_gm
+    o = tl.load(o_tile + rows[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_tile + rows[:, None] * stride_gm + offs_d[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh.to(tl.int64) * Nq + offs_m, tl.sum(o * do, axis=1), mask=offs_m < Nq)
 
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     Hq, Hkv, Nq, Nk, D, GROUP, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_DELTA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_DELTA: tl.constexpr,
 ):
-    """One program per (K/V block j, batch, K/V head); dK_j, dV_j summed over the group's query heads."""
+    """One program per (K/V block j, batch, K/V head); dK_j, dV_j summed over the group's query heads.
+    dk_ptr, dv_ptr are contiguous (B, Hkv, Nk, D)."""
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     b = bhk // Hkv
     hk = bhk % Hkv
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)                  # (BLOCK_N,) key rows within the block
+    offs_n = start_n + cols
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < Nk
     d_ok = offs_d < D
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)                                     # K_j (BLOCK_N, BLOCK_D)
-    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)                                     # V_j
+    first_n = start_n.to(tl.int64)
+    k_tile = k_ptr + _head_offset(b, hk, stride_kb, stride_kh) + first_n * stride_kn
+    v_tile = v_ptr + _head_offset(b, hk, stride_vb, stride_vh) + first_n * stride_vn
+    k = tl.load(k_tile + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)   # K_j
+    v = tl.load(v_tile + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)   # V_j
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    rows = tl.arange(0, BLOCK_M)
     shift = Nk - Nq
     if CAUSAL:
         # the first query row that sees key start_n is start_n - shift; earlier Q blocks see none of K_j
@@ -260,19 +307,26 @@ def _flash_bwd_dkdv_kernel(
         lo = 0
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_gb + h * stride_gh
-        row_base = (b * Hq + h) * Nq
+        q_head = q_ptr + _head_offset(b, h, stride_qb, stride_qh)
+        do_head = do_ptr + _head_offset(b, h, stride_gb, stride_gh)
+        row_head = (b * Hq + h).to(tl.int64) * Nq             # this query head's rows of lse and delta
+        if HAS_ALIBI:
+            slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634    # each query head has its own
         for start_m in range(lo, Nq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
+            offs_m = start_m + rows
             m_ok = offs_m < Nq
             qm = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd, mask=qm, other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            first_m = tl.cast(start_m, tl.int64)           # loop variable (a Python int in the interpreter)
+            q = tl.load(q_head + first_m * stride_qm + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=qm, other=0.0)
+            do = tl.load(do_head + first_m * stride_gm + rows[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                         mask=qm, other=0.0)
+            lse = tl.load(lse_ptr + row_head + offs_m, mask=m_ok, other=0.0)
             lse = tl.where(lse == float("-inf"), float("inf"), lse)    # fully masked row: P = 0
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(delta_ptr + row_head + offs_m, mask=m_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (BLOCK_M, BLOCK_N), log2 units
+            if HAS_ALIBI:
+                s = s + _alibi_bias(slope_log2, offs_m, offs_n, shift)
             visible = m_ok[:, None] & n_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
@@ -285,43 +339,50 @@ def _flash_bwd_dkdv_kernel(
                 ds = p * dp                                                    # broken on purpose
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)  # dK_j += dS^T Q_i
     dk = dk * sm_scale
-    tl.store(dk_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    out = (bhk.to(tl.int64) * Nk + first_n) * D                                # contiguous (B*Hkv, Nk, D)
+    tl.store(dk_ptr + out + cols[:, None] * D + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + out + cols[:, None] * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_DELTA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_DELTA: tl.constexpr,
 ):
-    """One program per (Q block i, batch, query head): dQ_i = sm_scale * sum_j dS_ij K_j."""
+    """One program per (Q block i, batch, query head): dQ_i = sm_scale * sum_j dS_ij K_j. dq_ptr is
+    contiguous (B, Hq, Nq, D)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
     hk = h // GROUP
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m * BLOCK_M + rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Nq
     d_ok = offs_d < D
     qm = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=qm, other=0.0)
-    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                 mask=qm, other=0.0)
-    lse = tl.load(lse_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
+    first_m = (start_m * BLOCK_M).to(tl.int64)
+    q_tile = q_ptr + _head_offset(b, h, stride_qb, stride_qh) + first_m * stride_qm
+    do_tile = do_ptr + _head_offset(b, h, stride_gb, stride_gh) + first_m * stride_gm
+    q = tl.load(q_tile + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
+    do = tl.load(do_tile + rows[:, None] * stride_gm + offs_d[None, :] * stride_gd, mask=qm, other=0.0)
+    row_head = bh.to(tl.int64) * Nq
+    lse = tl.load(lse_ptr + row_head + offs_m, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(delta_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(delta_ptr + row_head + offs_m, mask=m_ok, other=0.0)
+    if HAS_ALIBI:
+        slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    k_ptrs = k_ptr + _head_offset(b, hk, stride_kb, stride_kh) + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + _head_offset(b, hk, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     shift = Nk - Nq
     if CAUSAL:
         hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
@@ -331,9 +392,11 @@ def _flash_bwd_dq_kernel(
         n = start_n + offs_n
         n_ok = n < Nk
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_ALIBI:
+            s = s + _alibi_bias(slope_log2, offs_m, n, shift)
         visible = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None] + shift)
@@ -344,8 +407,11 @@ def _flash_bwd_dq_kernel(
         else:
             ds = p * dp
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)          # dQ_i += dS_ij K_j
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
     dq = dq * sm_scale
-    tl.store(dq_ptr + (bh * Nq + offs_m[:, None]) * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm)
+    tl.store(dq_ptr + (row_head + first_m) * D + rows[:, None] * D + offs_d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=qm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,73 +446,148 @@ def _check_inputs(q, k, v, sm_scale, name="flash_attention") -> None:
         raise ValueError(f"{name}: sm_scale must be a finite number or None, got {sm_scale!r}")
 
 
-def _blocks(nq: int, nk: int, d: int, block_m: int | None, block_n: int | None) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tiles and options: BLOCK_M query rows, BLOCK_N key rows, BLOCK_D head dim (padded)."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def _blocks(nq: int, nk: int, d: int, block_m: int | None, block_n: int | None, default_m: int = 64,
+            default_n: int = 64) -> tuple[int, int, int]:
     """Power-of-two tiles of at least 16 (tl.dot's minimum), no larger than the problem needs."""
-    bm = block_m or 64
-    bn = block_n or 64
+    bm = block_m or default_m
+    bn = block_n or default_n
     for nm, val in (("block_m", bm), ("block_n", bn)):
-        if val < 16 or val & (val - 1):
+        if not isinstance(val, int) or val < 16 or val & (val - 1):
             raise ValueError(f"flash_attention: {nm} must be a power of two >= 16, got {val}")
     bm = min(bm, max(16, triton.next_power_of_2(nq)))
     bn = min(bn, max(16, triton.next_power_of_2(nk)))
     return bm, bn, max(16, triton.next_power_of_2(d))
 
 
+# The launches, chosen from the AOT builds of compile_jobs (tests/test_flash_attention.py): no spills
+# on sm_80 or sm_90a at head dims 64 and 128, with and without ALiBi, causal fp16, 2 cp.async stages.
+# * Forward: 128 query rows by 64 keys at 8 warps, 16 rows per warp: the Q block splits along its
+#   rows only (warpsPerCTA [8, 1] for both products), as FlashAttention-2 splits its Q block. 64 rows
+#   at 8 warps would split the keys too ([4, 2]) and need a cross-warp reduction of the row max/sum.
+# * dK/dV: the program owns BLOCK_N keys and walks the queries BLOCK_M at a time. At D = 128, 64 x 64
+#   tiles spill with 2 stages (18 STL+LDL on sm_80, 28 on sm_90a at 8 warps): 32 query rows by 64 keys
+#   at 8 warps; at D <= 64, 64 x 32 at 4 warps.
+# * dQ: 64 x 64, 4 warps (8 at D = 128); it does not spill at 64 rows (179 registers on sm_90a).
+# ``block_m`` / ``block_n`` given by the caller apply to every kernel.
+FWD_TILE = (128, 64, 8)                                  # BLOCK_M, BLOCK_N, warps
+DKDV_TILE = {64: (64, 32, 4), 128: (32, 64, 8)}          # by padded head dim
+DQ_TILE = {64: (64, 64, 4), 128: (64, 64, 8)}
+GPU_STAGES = 2
+
+
+def _tiles(nq: int, nk: int, d: int, block_m, block_n, default: tuple[int, int, int]) -> Tiles:
+    bm, bn, bd = _blocks(nq, nk, d, block_m, block_n, default_m=default[0], default_n=default[1])
+    stages = 1 if runtime.runtime().interpreted else GPU_STAGES
+    return Tiles(bm, bn, bd, max(1, min(default[2], bm // 16)), stages)   # at most one warp per 16 rows
+
+
+def fwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None) -> Tiles:
+    """The forward's launch (:data:`FWD_TILE`), clipped to the problem by :func:`_blocks`."""
+    return _tiles(nq, nk, d, block_m, block_n, FWD_TILE)
+
+
+def bwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None) -> dict:
+    """``{"dkdv": Tiles, "dq": Tiles}``: the backward kernels' launches (:data:`DKDV_TILE`, :data:`DQ_TILE`)."""
+    key = 64 if d <= 64 else 128
+    return {"dkdv": _tiles(nq, nk, d, block_m, block_n, DKDV_TILE[key]),
+            "dq": _tiles(nq, nk, d, block_m, block_n, DQ_TILE[key])}
+
+
 def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"   # fp32 inputs: full fp32 products, not tf32
 
 
-def _forward(q, k, v, causal: bool, sm_scale: float, *, block_m=None, block_n=None,
-             rescale: bool = True, mask_kv: bool = True):
+def _fwd_args(q, k, v, o, lse, slopes, causal: bool, sm_scale: float, tiles: Tiles, *, rescale: bool = True,
+              mask_kv: bool = True):
+    """(grid, args, kwargs) of one launch of :func:`_flash_fwd_kernel`, shared by the launcher and
+    :func:`compile_jobs` so the AOT build is the launch. ``slopes`` None: no ALiBi."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
+    args = (q, k, v, o, lse, slopes,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
+            Hq, Nq, Nk, D, Hq // Hkv, sm_scale * LOG2E)
+    kwargs = dict(CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+                  DOT_PRECISION=_precision(q.dtype), HAS_ALIBI=slopes is not None, RESCALE=rescale,
+                  MASK_KV=mask_kv, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return (triton.cdiv(Nq, tiles.block_m), B * Hq), args, kwargs
+
+
+def _bwd_args(do, q, k, v, lse, delta, dq, dk, dv, slopes, causal: bool, sm_scale: float, tiles: dict, *,
+              use_delta: bool = True):
+    """``{"dkdv": (grid, args, kwargs), "dq": (...)}``: one launch each of :func:`_flash_bwd_dkdv_kernel`
+    and :func:`_flash_bwd_dq_kernel` with ``tiles`` (:func:`bwd_tiles`), for the launcher and compile_jobs."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+
+    def options(t: Tiles) -> dict:
+        return dict(CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=t.block_d,
+                    DOT_PRECISION=_precision(q.dtype), HAS_ALIBI=slopes is not None, USE_DELTA=use_delta,
+                    num_warps=t.num_warps, num_stages=t.num_stages)
+    kv, qt = tiles["dkdv"], tiles["dq"]
+    return {
+        "dkdv": ((triton.cdiv(Nk, kv.block_n), B * Hkv),
+                 (q, k, v, do, lse, delta, dk, dv, slopes, *strides, Hq, Hkv, Nq, Nk, D, Hq // Hkv, sm_scale,
+                  sm_scale * LOG2E), options(kv)),
+        "dq": ((triton.cdiv(Nq, qt.block_m), B * Hq),
+               (q, k, v, do, lse, delta, dq, slopes, *strides, Hq, Nq, Nk, D, Hq // Hkv, sm_scale,
+                sm_scale * LOG2E), options(qt)),
+    }
+
+
+def _forward(q, k, v, causal: bool, sm_scale: float, *, slopes=None, block_m=None, block_n=None,
+             rescale: bool = True, mask_kv: bool = True):
+    B, Hq, Nq, D = q.shape
     o = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(Nq, bm), B * Hq)
-    _flash_fwd_kernel[grid](
-        q, k, v, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
-        Hq, Nq, Nk, D, Hq // Hkv, sm_scale * LOG2E,
-        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
-        RESCALE=rescale, MASK_KV=mask_kv, num_warps=4 if bd <= 64 else 8, num_stages=2,
-    )
+    tiles = fwd_tiles(Nq, k.shape[2], D, block_m, block_n)
+    grid, args, kwargs = _fwd_args(q, k, v, o, lse, slopes, causal, sm_scale, tiles, rescale=rescale, mask_kv=mask_kv)
+    _flash_fwd_kernel[grid](*args, **kwargs)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, *, block_m=None, block_n=None,
+def _backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, *, slopes=None, block_m=None, block_n=None,
               use_delta: bool = True):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
-    group = Hq // Hkv
+    tiles = bwd_tiles(Nq, Nk, D, block_m, block_n)
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, bm), B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, D, BLOCK_M=bm, BLOCK_D=bd,
+    pre = tiles["dq"]
+    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, pre.block_m), B * Hq)](
+        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, D, BLOCK_M=pre.block_m, BLOCK_D=pre.block_d,
     )
     lse = lse.contiguous()
     dq = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Nk, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Nk, D), dtype=v.dtype, device=q.device)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
-                  USE_DELTA=use_delta, num_warps=4 if bd <= 64 else 8, num_stages=1)
-    _flash_bwd_dkdv_kernel[(triton.cdiv(Nk, bn), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides,
-        Hq, Hkv, Nq, Nk, D, group, sm_scale, sm_scale * LOG2E, **consts,
-    )
-    _flash_bwd_dq_kernel[(triton.cdiv(Nq, bm), B * Hq)](
-        q, k, v, do, lse, delta, dq, *strides,
-        Hq, Nq, Nk, D, group, sm_scale, sm_scale * LOG2E, **consts,
-    )
+    launches = _bwd_args(do, q, k, v, lse, delta, dq, dk, dv, slopes, causal, sm_scale, tiles, use_delta=use_delta)
+    for kernel, name in ((_flash_bwd_dkdv_kernel, "dkdv"), (_flash_bwd_dq_kernel, "dq")):
+        grid, args, kwargs = launches[name]
+        kernel[grid](*args, **kwargs)
     return dq, dk, dv
 
 
 class _FlashAttention(torch.autograd.Function):
+    """``alibi_fwd`` / ``alibi_bwd`` (with slopes given) switch the bias off in one pass only: the
+    deliberately broken variants the checks must catch."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, block_m, block_n):
-        o, lse = _forward(q, k, v, causal, sm_scale, block_m=block_m, block_n=block_n)
+    def forward(ctx, q, k, v, slopes, causal, sm_scale, block_m, block_n, alibi_fwd=True, alibi_bwd=True):
+        o, lse = _forward(q, k, v, causal, sm_scale, slopes=slopes if alibi_fwd else None,
+                          block_m=block_m, block_n=block_n)
         ctx.save_for_backward(q, k, v, o, lse)      # O(N d) saved: no P, no S
+        ctx.slopes = slopes if alibi_bwd else None
         ctx.args = (causal, sm_scale, block_m, block_n)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -455,8 +596,22 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         causal, sm_scale, block_m, block_n = ctx.args
-        dq, dk, dv = _backward(do, q, k, v, o, lse, causal, sm_scale, block_m=block_m, block_n=block_n)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _backward(do, q, k, v, o, lse, causal, sm_scale, slopes=ctx.slopes, block_m=block_m,
+                               block_n=block_n)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _check_slopes(slopes, Hq: int, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"flash_attention: alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}")
+    if slopes.shape != (Hq,):
+        raise ValueError(f"flash_attention: alibi_slopes must be (Hq,) = ({Hq},), one per query head, "
+                         f"got {tuple(slopes.shape)}")
+    if not slopes.dtype.is_floating_point or not bool(torch.isfinite(slopes).all()):
+        raise ValueError("flash_attention: alibi_slopes must be finite floating-point numbers")
+    if slopes.device != q.device:
+        raise ValueError(f"flash_attention: alibi_slopes is on {slopes.device}, q on {q.device}")
+    return slopes.to(torch.float32).contiguous()
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -471,15 +626,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     defaults to 1/sqrt(D). Returns O (B, Hq, Nq, D) in q's dtype, and with ``return_lse`` also the
     log-sum-exp (B, Hq, Nq) in fp32 (-inf on fully masked rows, whose output is 0).
     ``alibi_slopes`` (Hq,), one per query head, adds ALiBi's bias -slope_h |j - (i + Nk - Nq)| to
-    every score (forward and backward; see the ALiBi kernels below).
+    every score, forward and backward (the kernels' ``HAS_ALIBI``).
     """
     _check_inputs(q, k, v, sm_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    if alibi_slopes is not None:
-        slopes = _check_slopes(alibi_slopes, q.shape[1], q)
-        o, lse = _FlashAttentionAlibi.apply(q, k, v, slopes, bool(causal), scale, block_m, block_n, True, True)
-    else:
-        o, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, block_m, block_n)
+    slopes = None if alibi_slopes is None else _check_slopes(alibi_slopes, q.shape[1], q)
+    o, lse = _FlashAttention.apply(q, k, v, slopes, bool(causal), scale, block_m, block_n)
     return (o, lse) if return_lse else o
 
 
@@ -511,286 +663,48 @@ def flash_attention_v1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 
 # ----------------------------------------------------------------------------------------------
-# ALiBi (Press, Smith and Lewis, 2022): a per-head linear bias on the scores, forward and backward
-#
-#     S_ij = sm_scale * q_i . k_j  -  slope_h * |j - (i + Nk - Nq)|
-#
-# (the distance from query i's own position, bottom-right aligned as the causal mask; with the
-# causal mask only j <= i + Nk - Nq remain and the bias is slope_h * (j - i - Nk + Nq), the paper's
-# form). The bias depends on no input, so the backward's formulas are unchanged: only the recomputed
-# P_ij = exp(S_ij - lse_i) must include it. These are separate kernels so that the plain ones above
-# (whose source the FlashAttention chapters print and compile) stay exactly as they are; a copy of
-# the loop with one added line each, and ``BIAS`` switches that line off to show the check catching it.
+# Compile jobs at real models' sizes: fp16 prefill of 8192 tokens, causal
+
+# (label, query heads, K/V heads, head dim)
+REAL_CONFIGS = (
+    ("Llama-3.2-1B", 32, 8, 64),
+    ("Llama-3-8B", 32, 8, 128),
+)
 
 
-@triton.jit
-def _alibi_bias(slope_log2, offs_m, offs_n, shift):
-    """-slope * |j - (i + shift)| in log2 units, (BLOCK_M, BLOCK_N)."""
-    dist = offs_n[None, :] - (offs_m[:, None] + shift)
-    return -slope_log2 * tl.abs(dist).to(tl.float32)
+def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 8192, alibi: bool = False,
+                fwd: Tiles | None = None, bwd: dict | None = None, dtype=torch.float16, target: str = "sm90"):
+    """``{"fwd": job, "dkdv": job, "dq": job}``: the jobs of a GPU launch at these sizes on meta
+    tensors (contiguous (B, H, N, D) q, k, v, o, dO; causal), with the GPU tiles of :data:`FWD_TILE`,
+    :data:`DKDV_TILE`, :data:`DQ_TILE` unless ``fwd`` (Tiles) or ``bwd`` ({"dkdv": Tiles, "dq": Tiles}) say otherwise."""
+    from kernels import inspect as ki
+
+    q = torch.empty(batch, hq, seq, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(batch, hkv, seq, head_dim, dtype=dtype, device="meta")
+    lse = torch.empty(batch, hq, seq, device="meta")
+    slopes = torch.empty(hq, device="meta") if alibi else None
+
+    def gpu(default):
+        bm, bn, bd = _blocks(seq, seq, head_dim, None, None, default_m=default[0], default_n=default[1])
+        return Tiles(bm, bn, bd, default[2], GPU_STAGES)
+    key = 64 if head_dim <= 64 else 128
+    fwd = fwd or gpu(FWD_TILE)
+    bwd = bwd or {"dkdv": gpu(DKDV_TILE[key]), "dq": gpu(DQ_TILE[key])}
+    _, args, kwargs = _fwd_args(q, k, k, q, lse, slopes, True, head_dim ** -0.5, fwd)
+    jobs = {"fwd": ki.launch_job(_flash_fwd_kernel, *args, target=target, **kwargs)}
+    launches = _bwd_args(q, q, k, k, lse, lse, q, k, k, slopes, True, head_dim ** -0.5, bwd)
+    for kernel, name in ((_flash_bwd_dkdv_kernel, "dkdv"), (_flash_bwd_dq_kernel, "dq")):
+        _, args, kwargs = launches[name]
+        jobs[name] = ki.launch_job(kernel, *args, target=target, **kwargs)
+    return jobs
 
 
-@triton.jit
-def _flash_fwd_alibi_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh,
-    Hq, Nq, Nk, D, GROUP, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BIAS: tl.constexpr,
-):
-    start_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUP
-    slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634   # this query head's slope, log2 units
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < Nq
-    d_ok = offs_d < D
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    shift = Nk - Nq
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
-    else:
-        hi = Nk
-    for start_n in range(0, hi, BLOCK_N):
-        n = start_n + offs_n
-        n_ok = n < Nk
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if BIAS:
-            s = s + _alibi_bias(slope_log2, offs_m, n, shift)          # S_ij - slope |j - i'|
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-             o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse, mask=m_ok)
-
-
-@triton.jit
-def _flash_bwd_dkdv_alibi_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gb, stride_gh, stride_gm, stride_gd,
-    Hq, Hkv, Nq, Nk, D, GROUP, sm_scale, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BIAS: tl.constexpr,
-):
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
-    b = bhk // Hkv
-    hk = bhk % Hkv
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < Nk
-    d_ok = offs_d < D
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    shift = Nk - Nq
-    if CAUSAL:
-        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
-        slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634    # each query head of the group has its own
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_gb + h * stride_gh
-        row_base = (b * Hq + h) * Nq
-        for start_m in range(lo, Nq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < Nq
-            qm = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qm, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd, mask=qm, other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if BIAS:
-                s = s + _alibi_bias(slope_log2, offs_m, offs_n, shift)
-            visible = m_ok[:, None] & n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + shift)
-            p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)   # P with the bias
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
-    dk = dk * sm_scale
-    tl.store(dk_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + (bhk * Nk + offs_n[:, None]) * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit
-def _flash_bwd_dq_alibi_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_gb, stride_gh, stride_gm, stride_gd,
-    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BIAS: tl.constexpr,
-):
-    start_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUP
-    slope_log2 = tl.load(slopes_ptr + h) * 1.4426950408889634
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < Nq
-    d_ok = offs_d < D
-    qm = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=qm, other=0.0)
-    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                 mask=qm, other=0.0)
-    lse = tl.load(lse_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(delta_ptr + bh * Nq + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-    shift = Nk - Nq
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift), 0)
-    else:
-        hi = Nk
-    for start_n in range(0, hi, BLOCK_N):
-        n = start_n + offs_n
-        n_ok = n < Nk
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if BIAS:
-            s = s + _alibi_bias(slope_log2, offs_m, n, shift)
-        visible = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
-        p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    dq = dq * sm_scale
-    tl.store(dq_ptr + (bh * Nq + offs_m[:, None]) * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm)
-
-
-def _check_slopes(slopes, Hq: int, q: torch.Tensor) -> torch.Tensor:
-    if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"flash_attention: alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}")
-    if slopes.shape != (Hq,):
-        raise ValueError(f"flash_attention: alibi_slopes must be (Hq,) = ({Hq},), one per query head, "
-                         f"got {tuple(slopes.shape)}")
-    if not slopes.dtype.is_floating_point or not bool(torch.isfinite(slopes).all()):
-        raise ValueError("flash_attention: alibi_slopes must be finite floating-point numbers")
-    if slopes.device != q.device:
-        raise ValueError(f"flash_attention: alibi_slopes is on {slopes.device}, q on {q.device}")
-    return slopes.to(torch.float32).contiguous()
-
-
-def alibi_dq_block_m(block_m: int, block_d: int) -> int:
-    """Query rows per dQ program: at most 32 for head dims above 64. With 64 rows and D = 128 the dQ
-    kernel spills on sm_90a (28 STL+LDL at 8 warps; the plain dQ kernel's 64-row build spills 26);
-    with 32 it needs 218 registers and none spill."""
-    return min(block_m, 32) if block_d > 64 else block_m
-
-
-def _forward_alibi(q, k, v, slopes, causal: bool, sm_scale: float, *, block_m=None, block_n=None, bias=True):
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
-    o = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    _flash_fwd_alibi_kernel[(triton.cdiv(Nq, bm), B * Hq)](
-        q, k, v, o, lse, slopes,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
-        Hq, Nq, Nk, D, Hq // Hkv, sm_scale * LOG2E,
-        CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype), BIAS=bias,
-        num_warps=4 if bd <= 64 else 8, num_stages=2,
-    )
-    return o, lse
-
-
-def _backward_alibi(do, q, k, v, o, lse, slopes, causal: bool, sm_scale: float, *, block_m=None, block_n=None,
-                    bias=True):
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    bm, bn, bd = _blocks(Nq, Nk, D, block_m, block_n)
-    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, bm), B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, D, BLOCK_M=bm, BLOCK_D=bd,
-    )
-    lse = lse.contiguous()
-    dq = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, Hkv, Nk, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, Nk, D), dtype=v.dtype, device=q.device)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=_precision(q.dtype),
-                  BIAS=bias, num_warps=4 if bd <= 64 else 8, num_stages=1)
-    _flash_bwd_dkdv_alibi_kernel[(triton.cdiv(Nk, bn), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, slopes, *strides,
-        Hq, Hkv, Nq, Nk, D, Hq // Hkv, sm_scale, sm_scale * LOG2E, **consts,
-    )
-    consts["BLOCK_M"] = bm_dq = alibi_dq_block_m(bm, bd)
-    _flash_bwd_dq_alibi_kernel[(triton.cdiv(Nq, bm_dq), B * Hq)](
-        q, k, v, do, lse, delta, dq, slopes, *strides,
-        Hq, Nq, Nk, D, Hq // Hkv, sm_scale, sm_scale * LOG2E, **consts,
-    )
-    return dq, dk, dv
-
-
-class _FlashAttentionAlibi(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, slopes, causal, sm_scale, block_m, block_n, bias_fwd, bias_bwd):
-        o, lse = _forward_alibi(q, k, v, slopes, causal, sm_scale, block_m=block_m, block_n=block_n, bias=bias_fwd)
-        ctx.save_for_backward(q, k, v, o, lse, slopes)
-        ctx.args = (causal, sm_scale, block_m, block_n, bias_bwd)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, slopes = ctx.saved_tensors
-        causal, sm_scale, block_m, block_n, bias = ctx.args
-        dq, dk, dv = _backward_alibi(do, q, k, v, o, lse, slopes, causal, sm_scale, block_m=block_m,
-                                     block_n=block_n, bias=bias)
-        return dq, dk, dv, None, None, None, None, None, None, None
+def compile_jobs() -> dict:
+    """Forward, dK/dV and dQ at :data:`REAL_CONFIGS` (batch 1, 8192 tokens, causal), and with ALiBi at D = 128."""
+    jobs = {}
+    for label, hq, hkv, d in REAL_CONFIGS:
+        for part, job in launch_jobs(hq, hkv, d).items():
+            jobs[f"{label} prefill {part}, D={d}"] = job
+    for part, job in launch_jobs(32, 8, 128, alibi=True).items():
+        jobs[f"Llama-3-8B-sized ALiBi prefill {part}, D=128"] = job
+    return jobs
