@@ -320,13 +320,13 @@ def _aot_cases():
     cases = {}
     for d in (64, 128):
         for g in AOT_GROUPS:
-            cases[f"single pass, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, batch=32)      # 8 K/V heads
+            cases[f"single pass, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, batch=32, num_splits=1)  # 8 K/V heads
             cases[f"split x64, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, num_splits=dec.MAX_SPLITS)
     cases["split unified max, group 8, D=128"] = dec.launch_job(64, 8, 128, num_splits=dec.MAX_SPLITS, unified=True)
     cases["combine, 64 splits, D=128"] = dec.combine_job(1, 32, dec.MAX_SPLITS, 128)
     # broken on purpose: 64 group rows x 128 positions x D=128 at 4 warps does not fit the registers
     cases["oversized: group 64, BLOCK_S=128, 4 warps"] = dec.launch_job(
-        512, 8, 128, batch=32, tiles=dec.DecodeTiles(64, 128, 128, 4, 3))
+        512, 8, 128, batch=32, num_splits=1, tiles=dec.DecodeTiles(64, 128, 128, 4, 3))
     return cases
 
 
@@ -387,10 +387,18 @@ def test_ptx_uses_64bit_products_for_batch_and_head_offsets(aot_builds):
         assert 32 in _product_widths(job, build, "stride_qh")
 
 
-def test_compile_jobs_are_the_launch():
-    """compile_jobs() builds every job from the launcher's own argument helper at real sizes."""
+def test_compile_jobs_are_the_default_launch_on_an_h100():
+    """compile_jobs() builds every job from the launcher's own argument helper at real sizes, with the
+    split count decode_attention picks on 132 SMs: every grid has at least one program per SM, except
+    where MAX_SPLITS binds: Falcon-7B's single K/V head at batch 1 gets 64 programs (its 71-head
+    partials already cost 2 * 71 / 512 = 28% of the K/V bytes at 64 chunks of 512 positions)."""
     jobs = dec.compile_jobs()
-    assert "Falcon-7B (MQA) decode, group 71, D=64, batch 32" in jobs
-    falcon = jobs["Falcon-7B (MQA) decode, group 71, D=64, batch 32"]
+    falcon = jobs["Falcon-7B (MQA) decode, group 71, D=64, batch 32: 17 splits"]
     assert falcon.constexprs["BLOCK_G"] == 128 and falcon.num_warps == 8 and falcon.num_stages == 3
+    assert falcon.grid == (32, 1, 17)
     assert "stride_kd: =1" in falcon.specialization() and "stride_ks: i32 %16" in falcon.specialization()
+    assert jobs["Llama-2-7B (MHA) decode, group 1, D=128, batch 32: single pass"].grid == (32, 32)
+    for label, job in jobs.items():
+        if "combine" not in label:
+            assert job.programs >= H100_SMS or job.grid[-1] == dec.MAX_SPLITS, label
+    assert jobs["Falcon-7B (MQA) decode, group 71, D=64, batch 1: 64 splits"].programs == 64

@@ -637,8 +637,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ----------------------------------------------------------------------------------------------
-# Compile jobs at real models' sizes (K/V heads of a 32k cache, fp16)
+# Compile jobs at real models' sizes (fp16 caches of 32k positions, the launch decode_attention
+# picks by default on an H100's 132 SMs)
 
+H100_SMS = 132
 # (label, query heads, K/V heads, head dim)
 REAL_CONFIGS = (
     ("Llama-2-7B (MHA)", 32, 32, 128),
@@ -649,26 +651,31 @@ REAL_CONFIGS = (
 )
 
 
-def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 1, cache_len: int = 32768, num_splits: int = 1,
-               tiles: DecodeTiles | None = None, unified: bool = False, dtype=torch.float16, target: str = "sm90"):
+def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 1, cache_len: int = 32768,
+               num_splits: int | None = None, tiles: DecodeTiles | None = None, unified: bool = False,
+               dtype=torch.float16, target: str = "sm90"):
     """The job of a GPU launch at these sizes on meta tensors: the single-pass kernel for one split,
-    the split kernel for more (``unified``: FlashDecoding++'s loop); ``tiles`` default to :func:`gpu_tiles`."""
+    the split kernel for more (``unified``: FlashDecoding++'s loop). ``num_splits`` defaults to
+    :func:`choose_num_splits` on an H100 (what ``decode_attention`` launches there), ``tiles`` to
+    :func:`gpu_tiles`."""
     from kernels import inspect as ki
 
     q = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
     k = torch.empty(batch, hkv, cache_len, head_dim, dtype=dtype, device="meta")
     lens = torch.empty(batch, dtype=torch.int32, device="meta")
     tiles = tiles or gpu_tiles(hq // hkv, head_dim)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, hkv, cache_len, H100_SMS)
     if num_splits == 1 and not unified:
         out = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
-        _, args, kwargs = _single_pass_args(q, k, k, lens, out, tiles)
-        return ki.launch_job(_decode_attention_kernel, *args, target=target, **kwargs)
+        grid, args, kwargs = _single_pass_args(q, k, k, lens, out, tiles)
+        return ki.launch_job(_decode_attention_kernel, *args, target=target, grid=grid, **kwargs)
     m = torch.empty(batch, hq, num_splits, device="meta")
     o = torch.empty(batch, hq, num_splits, head_dim, device="meta")
     flags = torch.empty(batch, hkv, num_splits, dtype=torch.int32, device="meta")
-    _, args, kwargs = _split_args(q, k, k, lens, m, m, o, flags, num_splits, tiles,
-                                  unified=(0.0, -80.0, 80.0) if unified else None)
-    return ki.launch_job(_decode_split_kernel, *args, target=target, **kwargs)
+    grid, args, kwargs = _split_args(q, k, k, lens, m, m, o, flags, num_splits, tiles,
+                                     unified=(0.0, -80.0, 80.0) if unified else None)
+    return ki.launch_job(_decode_split_kernel, *args, target=target, grid=grid, **kwargs)
 
 
 def combine_job(batch: int, hq: int, num_splits: int, head_dim: int, *, dtype=torch.float16):
@@ -678,17 +685,20 @@ def combine_job(batch: int, hq: int, num_splits: int, head_dim: int, *, dtype=to
     m = torch.empty(batch, hq, num_splits, device="meta")
     o = torch.empty(batch, hq, num_splits, head_dim, device="meta")
     out = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
-    _, args, kwargs = _combine_args(m, m, o, out)
-    return ki.launch_job(_decode_combine_kernel, *args, **kwargs)
+    grid, args, kwargs = _combine_args(m, m, o, out)
+    return ki.launch_job(_decode_combine_kernel, *args, grid=grid, **kwargs)
 
 
 def compile_jobs() -> dict:
-    """The single pass at :data:`REAL_CONFIGS` (batch 32, a 32k cache), the default split at batch 1
-    (64 splits: :func:`choose_num_splits` on 132 SMs) with both softmax loops, and its combine."""
-    jobs = {f"{label} decode, group {hq // hkv}, D={d}, batch 32": launch_job(hq, hkv, d, batch=32)
-            for label, hq, hkv, d in REAL_CONFIGS}
-    jobs["Llama-3-8B decode, 64 splits, batch 1"] = launch_job(32, 8, 128, num_splits=MAX_SPLITS)
-    jobs["Llama-3-8B decode, 64 splits, unified max"] = launch_job(32, 8, 128, num_splits=MAX_SPLITS, unified=True)
-    jobs["Falcon-7B decode, 64 splits, batch 1"] = launch_job(71, 1, 64, num_splits=MAX_SPLITS)
-    jobs["Llama-3-8B combine, 64 splits"] = combine_job(1, 32, MAX_SPLITS, 128)
+    """At :data:`REAL_CONFIGS`, batch 1 and 32, a 32k cache: the kernel ``decode_attention`` launches by
+    default on an H100 (single pass or split, :func:`choose_num_splits`), FlashDecoding++'s loop once,
+    and the combine of the widest split."""
+    jobs = {}
+    for label, hq, hkv, d in REAL_CONFIGS:
+        for batch in (1, 32):
+            s = choose_num_splits(batch, hkv, 32768, H100_SMS)
+            kind = "single pass" if s == 1 else f"{s} splits"
+            jobs[f"{label} decode, group {hq // hkv}, D={d}, batch {batch}: {kind}"] = launch_job(hq, hkv, d, batch=batch)
+    jobs["Llama-3-8B decode, batch 1, unified max (FlashDecoding++)"] = launch_job(32, 8, 128, unified=True)
+    jobs[f"Llama-3-8B combine, batch 1, {MAX_SPLITS} splits"] = combine_job(1, 32, MAX_SPLITS, 128)
     return jobs

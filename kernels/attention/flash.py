@@ -690,12 +690,12 @@ def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 
     key = 64 if head_dim <= 64 else 128
     fwd = fwd or gpu(FWD_TILE)
     bwd = bwd or {"dkdv": gpu(DKDV_TILE[key]), "dq": gpu(DQ_TILE[key])}
-    _, args, kwargs = _fwd_args(q, k, k, q, lse, slopes, True, head_dim ** -0.5, fwd)
-    jobs = {"fwd": ki.launch_job(_flash_fwd_kernel, *args, target=target, **kwargs)}
+    grid, args, kwargs = _fwd_args(q, k, k, q, lse, slopes, True, head_dim ** -0.5, fwd)
+    jobs = {"fwd": ki.launch_job(_flash_fwd_kernel, *args, target=target, grid=grid, **kwargs)}
     launches = _bwd_args(q, q, k, k, lse, lse, q, k, k, slopes, True, head_dim ** -0.5, bwd)
     for kernel, name in ((_flash_bwd_dkdv_kernel, "dkdv"), (_flash_bwd_dq_kernel, "dq")):
-        _, args, kwargs = launches[name]
-        jobs[name] = ki.launch_job(kernel, *args, target=target, **kwargs)
+        grid, args, kwargs = launches[name]
+        jobs[name] = ki.launch_job(kernel, *args, target=target, grid=grid, **kwargs)
     return jobs
 
 
