@@ -19,10 +19,15 @@ The function runs as ``fn(rank, world_size, *args)`` and must be importable by n
 module level in ``kernels.dist``): the server imports its module, the ranks find it there. The
 server imports only torch, ``torch.distributed`` and that module; the first launch in a process
 pays that import once (about 2 s of CPU), later launches reuse the server (a fraction of a second).
+
+A rank's result travels back pickled to bytes by the standard pickler, so it may hold tensors:
+torch.multiprocessing's own queue pickling would hand them over as shared-memory file
+descriptors, which vanish when the rank exits before the parent has read them.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -84,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         out.put((rank, "ready", None))
-        result = fn(rank, world_size, *args)
+        result = pickle.dumps(fn(rank, world_size, *args))      # tensors copied into bytes, not shared
         out.put((rank, "ok", (result, time.process_time())))
     except BaseException:  # noqa: BLE001 (the parent reports it, naming this rank)
         out.put((rank, "error", traceback.format_exc()))
@@ -181,7 +186,7 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 60.0, star
                 p.kill()
                 p.join()
         out.close()
-    return Launch([results[r][0] for r in range(world_size)], started - start, seconds,
+    return Launch([pickle.loads(results[r][0]) for r in range(world_size)], started - start, seconds,
                   [results[r][1] for r in range(world_size)])
 
 
