@@ -1,8 +1,13 @@
-"""kernels.serving.scheduler and simulate: budgets, chunks, preemption order, static batching, and the
+"""kernels.serving.scheduler and simulate: budgets, chunks, preemption order, static batching, the
+deadlock a held prefix caused, a property test over random workloads (every request finishes, every
+page comes back, every sequence reads its own tokens from its pages, forks copy-on-write), and the
 event simulation's cost model."""
+import random
+
 import pytest
 
 from kernels.serving.allocator import BlockAllocator
+from kernels.serving.radix_cache import RadixCache
 from kernels.serving.scheduler import Scheduler, Sequence
 from kernels.serving.simulate import CostModel, Request, percentile, simulate
 
@@ -16,7 +21,7 @@ def _drive(sched, steps=1000):
         works = sched.schedule()
         plans.append([(w.seq.id, w.start, len(w.tokens), w.sample) for w in works])
         for w in works:
-            w.seq.num_computed = w.start + len(w.tokens)
+            sched.computed(w)
             if w.sample:
                 w.seq.tokens.append(0)
                 if len(w.seq.generated) >= w.seq.max_new_tokens:
@@ -92,3 +97,165 @@ def test_cost_model_is_memory_bound_for_decode():
     assert c.step_time(1, 0) == pytest.approx(c.overhead + c.weight_bytes / c.bandwidth)
     assert c.step_time(8192, 0) > c.step_time(1, 0)               # a long prefill is compute bound
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 100) == 2.0
+
+
+# ---------------------------------------------------------------- the held-prefix deadlock
+
+def _cached(alloc, cache, tokens):
+    pages = alloc.allocate(len(tokens) // alloc.page_size)
+    cache.insert(tokens, pages)
+    alloc.decref(pages)
+
+
+def test_a_request_that_cannot_be_admitted_holds_no_pages():
+    """The review's case (8 pages of 4, 2 cached; A = 20 prompt + 12 new, B = the cached prefix + 1
+    token + 20 new). Before the fix B kept its matched prefix (count 2, unevictable) while it waited;
+    A, preempted, then needed those pages, and after 40 steps both waited forever with 6 pages free."""
+    alloc = BlockAllocator(8, 4)
+    cache = RadixCache(alloc)
+    prefix = list(range(1, 9))
+    _cached(alloc, cache, prefix)
+    s = Scheduler(alloc, max_tokens=64, prefix_cache=cache)
+    a, b = Sequence(0, [50 + i for i in range(20)], 12), Sequence(1, prefix + [90], 20)
+    s.add(a)
+    s.add(b)
+    for _ in range(200):
+        if not s.has_work():
+            break
+        assert all(not q.table for q in s.waiting), "a waiting request holds pages"
+        works = s.schedule()
+        assert works, f"nothing scheduled: waiting {[q.id for q in s.waiting]}, {alloc.num_free} pages free"
+        for w in works:
+            s.computed(w)
+            if w.sample:
+                w.seq.tokens.append(0)
+                if len(w.seq.generated) >= w.seq.max_new_tokens:
+                    s.finish(w.seq)
+    assert a.finished and b.finished and s.preemptions >= 1
+    assert alloc.num_used == cache.cached_pages
+    cache.clear()
+    assert alloc.num_used == 0
+
+
+def test_a_failed_admission_does_not_count_as_a_cache_hit():
+    alloc = BlockAllocator(6, 4)
+    cache = RadixCache(alloc)
+    _cached(alloc, cache, [1, 2, 3, 4])
+    s = Scheduler(alloc, max_tokens=64, prefix_cache=cache)
+    s.running.append(Sequence(9, [7] * 4, 2, tokens=[7] * 5, table=alloc.allocate(5), num_computed=4))   # every free page
+    s.add(Sequence(0, [1, 2, 3, 4, 5, 6], 2))
+    assert [w.seq.id for w in s.schedule()] == [9]
+    assert cache.hit_tokens == 0 and cache.queried_tokens == 0 and alloc.refcount[cache.match([1, 2, 3, 4])[0]] == 1
+
+
+# ---------------------------------------------------------------- random workloads
+
+def _fake_token(seq) -> int:
+    """A deterministic stand-in for the model: depends on the choice and its tokens so far."""
+    return (sum(seq.tokens) * 31 + len(seq.tokens) * 7 + seq.choice * 13) % 40 + 1
+
+
+def _run_workload(rng: random.Random, max_steps: int = 4000) -> dict:
+    """One random workload through the real scheduler, with a fake KV store: slot (page, offset) holds
+    the token written at that position. Checks after every step that each running sequence's pages
+    hold exactly its own tokens, that waiting sequences hold no pages, and the allocator's invariant."""
+    P = rng.choice([1, 2, 4, 8])
+    num_pages = rng.randint(6, 40)
+    alloc = BlockAllocator(num_pages, P)
+    cache = RadixCache(alloc) if rng.random() < 0.7 else None
+    s = Scheduler(alloc, max_tokens=rng.choice([1, 3, 8, 64]), max_seqs=rng.choice([1, 2, 4, 16]),
+                  chunk=rng.choice([None, 1, 3, 7]), prefix_cache=cache, policy=rng.choice(["continuous"] * 3 + ["static"]),
+                  cache_after_prefill=rng.random() < 0.5)
+    prefixes = [[rng.randint(41, 60) for _ in range(rng.randint(0, 12))] for _ in range(3)]
+    store: dict[tuple[int, int], int] = {}
+    requests, arrivals = [], {}
+    n_req = rng.randint(1, 12)
+    for i in range(n_req):
+        prompt = rng.choice(prefixes) + [rng.randint(41, 60) for _ in range(rng.randint(1, 10))]
+        new = rng.randint(1, 12)
+        while alloc.pages_for(len(prompt) + new) > num_pages:                  # what check_request refuses
+            new -= 1
+            if new == 0:
+                prompt, new = prompt[:P], 1
+        forks = rng.choice([0, 0, 0, 1, 2]) if s.max_seqs >= 3 else 0
+        arrivals[i] = rng.randint(0, 30)
+        requests.append(Sequence(i, prompt, new, forks=forks))
+    next_id, everyone = n_req, list(requests)
+    for step in range(max_steps):
+        for r in requests:
+            if arrivals[r.id] == step:
+                s.add(r)
+        if not s.has_work() and step > max(arrivals.values()):
+            break
+        for q in list(s.running) + list(s.waiting):
+            if rng.random() < 0.01:                                          # a client goes away
+                for x in [q, *q.children]:
+                    s.finish(x, "abort")
+                q.forks = 0
+        works = s.schedule()
+        if s.has_work():
+            assert works or not s.running and not s.waiting, "work waiting but nothing scheduled"
+        assert all(not q.table for q in s.waiting)
+        for src, dst in s.copies:                                            # copy-on-write, before writes
+            for off in range(P):
+                if (src, off) in store:
+                    store[(dst, off)] = store[(src, off)]
+        for w in works:
+            for j, t in enumerate(w.tokens):
+                p = w.start + j
+                store[(w.seq.table[p // P], p % P)] = t
+            s.computed(w)
+        for w in works:
+            if not w.sample or w.seq.finished:
+                continue
+            fam = [w.seq]
+            if w.seq.forks:
+                ids = list(range(next_id, next_id + w.seq.forks))
+                next_id += len(ids)
+                fam += s.fork(w.seq, ids)
+                everyone += fam[1:]
+            for q in fam:
+                q.tokens.append(_fake_token(q))
+                if len(q.generated) >= q.max_new_tokens:
+                    s.finish(q)
+        for q in s.running:                                                  # every page holds its own tokens
+            for p in range(q.num_computed):
+                assert store.get((q.table[p // P], p % P)) == q.tokens[p], f"seq {q.id} reads a wrong slot at {p}"
+        alloc.check()
+    else:
+        raise AssertionError(f"not finished after {max_steps} steps: waiting {len(s.waiting)}, running {len(s.running)}")
+    assert all(q.finished for q in everyone)
+    assert alloc.num_used == (cache.cached_pages if cache else 0)
+    if cache is not None:
+        cache.clear()
+    assert alloc.num_used == 0
+    return {"preemptions": s.preemptions, "forks": sum(len(q.children) for q in requests),
+            "hits": cache.hit_tokens if cache else 0, "steps": step}
+
+
+def test_random_workloads_finish_and_return_every_page():
+    """300 seeded workloads: pool sizes, page sizes, budgets, chunks, seats, shared prefixes, forks,
+    arrivals, aborts. The totals show the cases really happened (preemptions, forks, cache hits)."""
+    totals = {"preemptions": 0, "forks": 0, "hits": 0}
+    for seed in range(300):
+        out = _run_workload(random.Random(seed))
+        for k in totals:
+            totals[k] += out[k]
+    assert totals["preemptions"] > 100 and totals["forks"] > 50 and totals["hits"] > 100, totals
+
+
+def test_fork_shares_pages_and_copies_the_partial_one():
+    alloc = BlockAllocator(16, 4)
+    s = Scheduler(alloc, max_tokens=64)
+    parent = Sequence(0, list(range(1, 11)), 3, forks=2)                  # 10 tokens: pages 0, 1 full, 2 partial
+    s.add(parent)
+    (w,) = s.schedule()
+    s.computed(w)
+    kids = s.fork(parent, [1, 2])
+    assert [alloc.refcount[p] for p in parent.table] == [3, 3, 3]
+    for q in [parent, *kids]:
+        q.tokens.append(q.choice + 50)
+    works = s.schedule()
+    assert len(works) == 3 and len(s.copies) == 2                         # two of three copy page 2; the last owns it
+    assert [alloc.refcount[p] for p in parent.table[:2]] == [3, 3]
+    assert len({q.table[2] for q in [parent, *kids]}) == 3

@@ -1,6 +1,7 @@
 """kernels.serving.engine: greedy outputs of the paged, continuously batched engine equal one-at-a-time
-generation token for token, under any batch mix, chunk size, preemption and prefix hit; pages are
-all given back."""
+generation token for token, under any batch mix, chunk size, preemption and prefix hit; sampled
+requests in a mixed batch equal their one-at-a-time draws with the same seed; n > 1 forks share
+the prompt's pages copy-on-write; stop tokens, log-probs, insert-after-prefill; pages are all given back."""
 import kernels  # noqa: F401
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 from kernels.model.data import encode
 from kernels.model.gpt import load_pretrained
-from kernels.serving.engine import Engine, EngineConfig, reference_generate
+from kernels.serving.engine import Engine, EngineConfig, EngineStalled, reference_generate
+from kernels.serving.sampling import SamplingParams
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING LEAR:\nBlow, winds, and crack your cheeks!",
            "O", "First Citizen:\nBefore we proceed any further, hear me speak.\n"]
@@ -133,7 +135,7 @@ def test_bad_requests(model):
     eng = Engine(model, EngineConfig(num_pages=4, page_size=4))
     with pytest.raises(ValueError, match="prompt is empty"):
         eng.add([], 5)
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
         eng.add([1, 2], 0)
     with pytest.raises(ValueError, match="exceed the model's context of 128"):
         eng.add([1] * 120, 20)
@@ -158,3 +160,118 @@ def test_broken_engine_is_caught(model, reference):
     seqs = [eng.add(encode(p).tolist(), NEW) for p in PROMPTS]
     eng.run()
     assert any(s.generated != reference[p][0] for s, p in zip(seqs, PROMPTS))
+
+
+SAMPLED = [SamplingParams(),
+           SamplingParams(temperature=1.0, seed=1),
+           SamplingParams(temperature=0.8, top_k=5, seed=2),
+           SamplingParams(temperature=1.2, top_p=0.9, seed=3),
+           SamplingParams(temperature=1.0, top_k=20, top_p=0.95, min_p=0.05, seed=4)]
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(model):
+    return [reference_generate(model, encode(p).tolist(), NEW, params=q, seed=q.seed or 0)[0]
+            for p, q in zip(PROMPTS, SAMPLED)]
+
+
+@pytest.mark.parametrize("config,order", [(EngineConfig(chunk=5, max_tokens=12, page_size=4), 1),
+                                          (EngineConfig(num_pages=12, page_size=8, chunk=6, max_tokens=16), -1)],
+                         ids=["mixed-steps", "preempting-reversed"])
+def test_sampled_requests_in_a_mixed_batch_equal_their_draws_alone(model, sampled_reference, config, order):
+    """Each request's parameters and seed, in one batch with the others (arrival order, preemption
+    and chunking varied): every answer equals the one-at-a-time generation with the same seed."""
+    eng = Engine(model, config)
+    idx = list(range(len(PROMPTS)))[::order]
+    seqs = {}
+    for i in idx:
+        seqs[i] = eng.add(encode(PROMPTS[i]).tolist(), NEW, params=SAMPLED[i])
+        eng.step()
+    eng.run()
+    for i in idx:
+        assert seqs[i].generated == sampled_reference[i], f"request {i} ({SAMPLED[i]})"
+    assert len({tuple(v) for v in sampled_reference}) == len(PROMPTS)
+    assert any(len({w[0] for w in step}) >= 3 for step in eng.history)
+    _assert_pages_back(eng)
+
+
+def test_n_choices_fork_and_share_the_prompt_copy_on_write(model):
+    prompt = encode(PROMPTS[2]).tolist()                                   # 46 tokens: the last page partial
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7, n=3)
+    eng = Engine(model, EngineConfig(page_size=8, chunk=16, max_tokens=32))
+    copies = []
+    copy = eng.runner.cache.copy
+    eng.runner.cache.copy = lambda pairs: (copies.extend(pairs), copy(pairs))
+    seq = eng.add(prompt, 12, params=params)
+    while not seq.children:
+        eng.step()
+    choices = [seq, *seq.children]
+    full = len(prompt) // 8
+    assert [eng.allocator.refcount[p] for p in seq.table[:full]] == [3] * full       # shared, not copied
+    eng.run()
+    assert len(copies) == 2                                                 # the partial page, by two of three
+    for q in choices:
+        want = reference_generate(model, prompt, 12, params=params, seed=7, choice=q.choice)[0]
+        assert q.generated == want and q.finish_reason == "length"
+    assert len({tuple(q.generated) for q in choices}) == 3
+    _assert_pages_back(eng)
+
+
+def test_stop_token_finishes_with_stop(model, reference):
+    p = PROMPTS[4]
+    tokens = reference[p][0]
+    nl = ord("\n")
+    assert nl in tokens
+    eng = Engine(model, EngineConfig())
+    a = eng.add(encode(p).tolist(), NEW, params=SamplingParams(stop_token_ids=(nl,)))
+    b = eng.add(encode(p).tolist(), NEW, params=SamplingParams(stop_token_ids=(255,)))
+    eng.run()
+    assert a.generated == tokens[:tokens.index(nl) + 1] and a.finish_reason == "stop"
+    assert b.generated == tokens and b.finish_reason == "length"
+    _assert_pages_back(eng)
+
+
+def test_logprobs_are_the_model_log_softmax(model, reference):
+    p = PROMPTS[1]
+    eng = Engine(model, EngineConfig())
+    seq = eng.add(encode(p).tolist(), NEW, params=SamplingParams(logprobs=3))
+    eng.run()
+    lp = torch.log_softmax(reference[p][2], dim=-1)
+    for t, (chosen, top) in enumerate(seq.logprobs):
+        assert abs(chosen - float(lp[t, seq.generated[t]])) < 1e-4
+        assert [tok for tok, _ in top][0] == seq.generated[t] and len(top) == 3
+
+
+def test_kernel_sampler_path_matches(model, sampled_reference):
+    """use_kernels: the Triton paged decode and the Triton sampler (interpreter: few tokens)."""
+    eng = Engine(model, EngineConfig(use_kernels=True, page_size=32))
+    seqs = [eng.add(encode(PROMPTS[i]).tolist(), 3, params=SAMPLED[i]) for i in (3, 4)]
+    eng.run()
+    for s, i in zip(seqs, (3, 4)):
+        assert s.generated == sampled_reference[i][:3]
+
+
+def test_insert_after_prefill_lets_a_batch_share_its_system_prompt(model):
+    """Eight requests with one system prompt arrive together; a budget of 64 tokens admits them over
+    several steps. Inserting whole pages after each prefill (SGLang's cache_unfinished_req) lets the
+    later ones hit; inserting only at the end cannot."""
+    system = "SYSTEM: Speak as in a tragedy, and briefly.\n"
+    prompts = [system + q for q in ("Who?", "Why?", "Speak.", "Go.", "Stay.", "Hark!", "Alas.", "Fly!")]
+    hits = {}
+    for after in (True, False):
+        eng = Engine(model, EngineConfig(page_size=4, prefix_cache=True, cache_after_prefill=after, max_tokens=64))
+        seqs = [eng.add(encode(p).tolist(), 6) for p in prompts]
+        eng.run()
+        hits[after] = sum(s.cached_tokens for s in seqs)
+        for s, p in zip(seqs, prompts):
+            assert s.generated == reference_generate(model, encode(p).tolist(), 6)[0]
+        _assert_pages_back(eng)
+    assert hits[False] == 0 and hits[True] >= 5 * (len(system) // 4 * 4)
+
+
+def test_a_stalled_scheduler_is_reported_not_spun_on(model):
+    eng = Engine(model, EngineConfig())
+    eng.add([1, 2, 3], 2)
+    eng.scheduler.schedule = lambda: []
+    with pytest.raises(EngineStalled, match="1 waiting"):
+        eng.step()

@@ -1,9 +1,21 @@
 """The engine: a paged forward of the tiny GPT over a mixed batch, driven by the scheduler.
 
-``PagedRunner.forward(works)`` runs one step. All the tokens of the step, from every sequence,
-are packed into one (N, C) matrix, so every weight matmul (Q, K, V, O projections, the MLP, the LM
-head) is one matmul over N rows whatever mix of prefill chunks and decodes they came from. Only
-attention is per sequence: each new K, V is written into its page slot, then
+One step (:meth:`Engine.step`) is five stages, each a method another mechanism can replace:
+
+1. ``scheduler.schedule()`` -> the step's runs (:class:`kernels.serving.scheduler.Work`), with their
+   pages allocated and the copy-on-write pairs in ``scheduler.copies``;
+2. ``runner.cache.copy(copies)``: private copies of shared pages a run is about to write;
+3. ``runner.forward(works)`` -> the logits (R, V) of the R runs that end on a token to sample, after
+   writing every run's K, V into its page slots (the cache: :class:`kernels.serving.kv_cache.PagedKVCache`);
+4. ``sampler(logits, rows)`` -> one token per row (:class:`kernels.serving.sampling.Sampler`: each
+   row with its own request's temperature, top-k, top-p, min-p and seed; a request with n > 1
+   choices forks at its first sample, and its choices share the prompt's pages);
+5. ``_commit``: append the tokens, record log-probs, finish a choice on a stop token or at max_tokens.
+
+``PagedRunner.forward(works)`` packs all the tokens of the step, from every sequence, into one
+(N, C) matrix, so every weight matmul (Q, K, V, O projections, the MLP, the LM head) is one matmul
+over N rows whatever mix of prefill chunks and decodes they came from. Only attention is per
+sequence: each new K, V is written into its page slot, then
 
 * a run of one token (a decode) joins the batched paged decode attention
   (kernels.attention.paged: ``paged_decode_attention`` with ``use_kernels``, else its reference);
@@ -16,20 +28,29 @@ on the CPU may be summed in another order than the same row alone (BLAS picks ke
 and a chunked prefill sums attention in another order than a whole one. The logits agree to about
 1e-5 and the tests check that the greedy choice is never closer than that: the smallest gap
 between the top two logits over the reference run is reported beside the largest logit difference.
+A sampled request's tokens depend only on its seed (kernels.serving.sampling: counter-based
+uniforms keyed by seed, choice and position), so the same request gives the same answer alone or
+in any batch, as long as the logits keep their order at the drawn token's margin.
 """
 from __future__ import annotations
 
 import math
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.attention.paged import gather_pages, paged_decode_attention, paged_decode_attention_ref
 from kernels.model.gpt import GPT, KVCache, add_rms_norm_torch, rms_norm_torch, rope
 from kernels.serving.allocator import BlockAllocator
+from kernels.serving.kv_cache import PagedKVCache
 from kernels.serving.radix_cache import RadixCache
+from kernels.serving.sampling import Sampler, SampleRow, SamplingParams
 from kernels.serving.scheduler import Scheduler, Sequence, Work
+
+
+class EngineStalled(RuntimeError):
+    """The scheduler has requests but scheduled nothing: a bug, reported rather than spun on."""
 
 
 class PagedRunner:
@@ -38,10 +59,16 @@ class PagedRunner:
     def __init__(self, model: GPT, num_pages: int, page_size: int, *, use_kernels: bool = False):
         cfg = model.config
         self.model, self.cfg, self.use_kernels = model, cfg, use_kernels
-        shape = (num_pages, cfg.n_kv_head, page_size, cfg.head_dim)     # (pages, Hkv, P, D)
-        self.k_pages = [torch.zeros(shape) for _ in range(cfg.n_layer)]
-        self.v_pages = [torch.zeros(shape) for _ in range(cfg.n_layer)]
+        self.cache = PagedKVCache(cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
         self.P = page_size
+
+    @property
+    def k_pages(self) -> list[torch.Tensor]:
+        return self.cache.k
+
+    @property
+    def v_pages(self) -> list[torch.Tensor]:
+        return self.cache.v
 
     def _attend(self, layer: int, q: torch.Tensor, works: list[Work], spans) -> torch.Tensor:
         """q (N, Hq, D) of the packed tokens -> attention output (N, Hq, D)."""
@@ -53,17 +80,14 @@ class PagedRunner:
             table = torch.tensor([works[i].seq.table + [0] * (width - len(works[i].seq.table)) for i in dec],
                                  dtype=torch.int32)
             lens = torch.tensor([works[i].start + 1 for i in dec], dtype=torch.int32)
-            attend = paged_decode_attention if self.use_kernels else paged_decode_attention_ref
-            out[rows] = attend(q[rows], self.k_pages[layer], self.v_pages[layer], table, lens)
+            out[rows] = self.cache.decode(layer, q[rows], table, lens, use_kernels=self.use_kernels)
         D = q.shape[-1]
         for i, w in enumerate(works):
             if len(w.tokens) == 1:
                 continue
             a, b = spans[i]
             L = w.start + len(w.tokens)
-            table = torch.tensor(w.seq.table, dtype=torch.int32)
-            k = gather_pages(self.k_pages[layer], table, L)                  # (Hkv, L, D)
-            v = gather_pages(self.v_pages[layer], table, L)
+            k, v = self.cache.gather(layer, torch.tensor(w.seq.table, dtype=torch.int32), L)   # (Hkv, L, D)
             group = q.shape[1] // k.shape[0]
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)   # (Hq, L, D)
             qi = q[a:b].transpose(0, 1)                                      # (Hq, T, D)
@@ -74,8 +98,8 @@ class PagedRunner:
         return out
 
     @torch.no_grad()
-    def forward(self, works: list[Work]) -> dict[int, torch.Tensor]:
-        """One step over the packed runs; returns {sequence id: logits (V,)} for the sampled runs."""
+    def forward(self, works: list[Work]) -> torch.Tensor:
+        """One step over the packed runs; returns the logits (R, V) of the runs with ``sample`` set, in order."""
         cfg, m = self.cfg, self.model
         Hq, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         ids = torch.tensor([t for w in works for t in w.tokens])                         # (N,)
@@ -95,14 +119,12 @@ class PagedRunner:
             k = rope(blk.attn.wk(u).view(1, -1, Hkv, D).transpose(1, 2), pos[None], cfg.rope_theta)
             v = blk.attn.wv(u).view(-1, Hkv, D)
             q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)                              # (N, H, D)
-            self.k_pages[layer][page_idx, :, off_idx] = k                                  # write into page slots
-            self.v_pages[layer][page_idx, :, off_idx] = v
+            self.cache.write(layer, page_idx, off_idx, k, v)                               # into page slots
             a = self._attend(layer, q, works, spans)
             h, hn = add_rms_norm_torch(x, blk.attn.wo(a.reshape(-1, Hq * D)), blk.norm2.weight, cfg.norm_eps)
             x = h + blk.mlp(hn)
         last = [spans[i][1] - 1 for i, w in enumerate(works) if w.sample]
-        logits = rms_norm_torch(x[last], m.norm_f.weight, cfg.norm_eps) @ m.wte.weight.T   # (n_sampled, V)
-        return {w.seq.id: logits[j] for j, w in enumerate(w for w in works if w.sample)}
+        return rms_norm_torch(x[last], m.norm_f.weight, cfg.norm_eps) @ m.wte.weight.T    # (R, V)
 
 
 @dataclass
@@ -123,12 +145,24 @@ class EngineConfig:
     max_seqs: int = 32
     chunk: int | None = None       # largest prefill run per sequence per step (None: whole prompt)
     prefix_cache: bool = False
+    cache_after_prefill: bool = True   # with prefix_cache: insert after prefill too, not only at the end
     policy: str = "continuous"
-    use_kernels: bool = False
+    use_kernels: bool = False      # Triton paged decode attention and the Triton sampler
+    seed: int = 0                  # draws the seeds of requests that bring none
+
+
+@dataclass
+class StepOutput:
+    """One token a step produced for one choice, with its log-probs when the request asked."""
+    seq: Sequence
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Engine:
-    """add(prompt ids, max_new_tokens) -> Sequence; step() advances every scheduled sequence by one run."""
+    """add(prompt ids, max_new_tokens, params=SamplingParams) -> Sequence; step() advances every
+    scheduled sequence by one run and returns the tokens it produced."""
 
     def __init__(self, model: GPT, config: EngineConfig = EngineConfig(), *, record_logits: bool = False,
                  record_history: bool = True):
@@ -137,60 +171,81 @@ class Engine:
         self.allocator = BlockAllocator(config.num_pages, config.page_size)
         self.cache = RadixCache(self.allocator) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, max_tokens=config.max_tokens, max_seqs=config.max_seqs,
-                                   chunk=config.chunk, prefix_cache=self.cache, policy=config.policy)
+                                   chunk=config.chunk, prefix_cache=self.cache, policy=config.policy,
+                                   cache_after_prefill=config.cache_after_prefill)
         self.runner = PagedRunner(model, config.num_pages, config.page_size, use_kernels=config.use_kernels)
+        self.sampler = Sampler(use_kernels=config.use_kernels)
         self.times = StepTimes()
         self.history: list[list[tuple[int, int, int, bool]]] = []  # per step: (seq id, start, n tokens, sampled)
         self.record_history = record_history                       # off in a long-running server
         self._next_id = 0
+        self._seeds = random.Random(config.seed)
 
-    def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams | int) -> None:
         """Reject what the engine could never serve, with the reason (the server turns it into a 400)."""
+        if isinstance(params, int) or params is None:
+            if not isinstance(params, int) or isinstance(params, bool) or params < 1:
+                raise ValueError(f"max_tokens must be an integer >= 1, got {params!r}")
+            params = SamplingParams(max_tokens=params)
         limit = self.model.config.block_size
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if len(prompt) + max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceed the "
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the "
                              f"model's context of {limit} tokens")
-        if self.allocator.pages_for(len(prompt) + max_new_tokens) > self.allocator.num_pages:
+        if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.num_pages:
             raise ValueError("the request needs more KV pages than the whole cache holds")
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
+        if params.n > self.config.max_seqs:
+            raise ValueError(f"n={params.n} choices need more batch seats than max_seqs={self.config.max_seqs}")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
             raise ValueError("token ids must lie in [0, vocab_size)")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
 
-    def add(self, prompt: list[int], max_new_tokens: int) -> Sequence:
-        self.check_request(prompt, max_new_tokens)
-        seq = Sequence(self._next_id, list(prompt), max_new_tokens)
+    def add(self, prompt: list[int], max_new_tokens: int | None = None, *, params: SamplingParams | None = None) -> Sequence:
+        """Queue a request; ``max_new_tokens`` (if given) overrides ``params.max_tokens``. Returns its
+        first choice; the others appear in ``.children`` once it forks."""
+        if params is None:
+            params = SamplingParams(max_tokens=max_new_tokens) if max_new_tokens is not None else SamplingParams()
+        elif max_new_tokens is not None:
+            params = replace(params, max_tokens=max_new_tokens)
+        self.check_request(prompt, params)
+        seq = Sequence(self._next_id, list(prompt), params.max_tokens, params=params, forks=params.n - 1)
+        seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
-        """Stop a sequence (a client went away): its pages go back at once."""
-        if not seq.finished:
-            self.scheduler.finish(seq)
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End one choice (a stop string seen by the server: reason "stop"); its pages go back at once."""
+        self.scheduler.finish(seq, reason)
 
-    def step(self) -> list[tuple[Sequence, int]]:
-        """One iteration; returns the (sequence, new token) pairs it produced."""
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request and every choice it forked (a client went away): their pages go back at once."""
+        for s in [seq, *seq.children]:
+            self.scheduler.finish(s, "abort")
+        seq.forks = 0
+
+    # ---------------------------------------------------------------- one step, in its stages
+
+    def step(self) -> list[StepOutput]:
+        """One iteration; returns the tokens it produced (one per sampled choice)."""
         t0 = time.perf_counter()
         works = self.scheduler.schedule()
         t1 = time.perf_counter()
         if not works:
+            if self.scheduler.has_work():
+                raise EngineStalled(f"{len(self.scheduler.waiting)} waiting and {len(self.scheduler.running)} "
+                                    f"running sequences, but nothing could be scheduled")
             return []
+        self.runner.cache.copy(self.scheduler.copies)
         logits = self.runner.forward(works)
         t2 = time.perf_counter()
-        out = []
         for w in works:
-            w.seq.num_computed = w.start + len(w.tokens)
-            if w.sample:
-                token = int(torch.argmax(logits[w.seq.id]))               # greedy
-                if self.logits is not None:
-                    self.logits.setdefault(w.seq.id, []).append(logits[w.seq.id])
-                w.seq.tokens.append(token)
-                out.append((w.seq, token))
-                if len(w.seq.generated) >= w.seq.max_new_tokens:
-                    self.scheduler.finish(w.seq)
+            self.scheduler.computed(w)
+        seqs, rows = self._rows([w.seq for w in works if w.sample])
+        out = self._commit(seqs, logits[rows])
         t3 = time.perf_counter()
         self.times.schedule += t1 - t0
         self.times.forward += t2 - t1
@@ -199,6 +254,39 @@ class Engine:
         self.times.tokens += sum(len(w.tokens) for w in works)
         if self.record_history:
             self.history.append([(w.seq.id, w.start, len(w.tokens), w.sample) for w in works])
+        return out
+
+    def _rows(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The choices that draw a token this step and the logits row of each: a request with n > 1
+        forks at its first sample, its new choices drawing from the same row."""
+        seqs, rows = [], []
+        for r, seq in enumerate(sampled):
+            fam = [seq]
+            if seq.forks:
+                ids = list(range(self._next_id, self._next_id + seq.forks))
+                self._next_id += len(ids)
+                fam += self.scheduler.fork(seq, ids)
+            seqs += fam
+            rows += [r] * len(fam)
+        return seqs, rows
+
+    def _commit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        """Sample, append, record, stop."""
+        rows = [SampleRow(s.params, s.seed, s.choice, len(s.generated)) for s in seqs]
+        drawn = self.sampler(logits, rows)
+        out = []
+        for j, seq in enumerate(seqs):
+            token = drawn.tokens[j]
+            seq.tokens.append(token)
+            if self.logits is not None:
+                self.logits.setdefault(seq.id, []).append(logits[j])
+            if drawn.logprobs[j] is not None:
+                seq.logprobs.append((drawn.logprobs[j], drawn.top_logprobs[j]))
+            out.append(StepOutput(seq, token, drawn.logprobs[j], drawn.top_logprobs[j]))
+            if token in seq.params.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.generated) >= seq.max_new_tokens:
+                self.scheduler.finish(seq, "length")
         return out
 
     def run(self, max_steps: int = 100_000) -> None:
@@ -215,19 +303,24 @@ class Engine:
 
 
 @torch.no_grad()
-def reference_generate(model: GPT, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float, torch.Tensor]:
-    """One-at-a-time greedy generation with the model's contiguous KV cache (pure PyTorch).
+def reference_generate(model: GPT, prompt: list[int], max_new_tokens: int, *, params: SamplingParams | None = None,
+                       seed: int = 0, choice: int = 0) -> tuple[list[int], float, torch.Tensor]:
+    """One-at-a-time generation with the model's contiguous KV cache (pure PyTorch): greedy, or with
+    ``params`` drawn as the engine draws choice ``choice`` of a request seeded ``seed`` (the reference
+    sampler, the same keys).
 
     Returns (generated tokens, the smallest top-1 minus top-2 logit gap over the steps, the logits
     of every step (max_new_tokens, V)): the gap says how far each greedy choice is from a tie.
     """
+    sampler = Sampler(use_kernels=False)
+    params = params or SamplingParams(max_tokens=max_new_tokens)
     cache = KVCache.empty(model.config, 1)
     nxt = torch.tensor([prompt])
     out, rows = [], []
-    for _ in range(max_new_tokens):
+    for t in range(max_new_tokens):
         logits = model(nxt, cache=cache)[0, -1]
         rows.append(logits)
-        token = int(torch.argmax(logits))
+        token = sampler(logits[None], [SampleRow(params, seed, choice, t)]).tokens[0]
         out.append(token)
         nxt = torch.tensor([[token]])
     steps = torch.stack(rows)

@@ -3,8 +3,8 @@
 Every node's edge is a run of tokens whose length is a multiple of ``page_size``, with the page ids
 that hold their keys and values; the path from the root spells a token prefix, and the pages along
 it are that prefix's KV cache. A new request walks the tree with its prompt: the pages it meets
-are its cached prefix (shared, not recomputed). A finished request inserts its tokens so the next
-one can match them. Only whole pages are cached: the KV of a page is a function of the page's
+are its cached prefix (shared, not recomputed). A request inserts its whole computed pages after
+its prefill and again when it finishes (kernels.serving.scheduler), so the next one can match them. Only whole pages are cached: the KV of a page is a function of the page's
 tokens and of every token before it, which the path fixes.
 
 Reference counts: the tree holds one reference to every page it stores (BlockAllocator.incref);
@@ -17,6 +17,8 @@ eviction of unlocked leaves); the code here is written fresh, and uses the alloc
 where SGLang keeps a separate lock count per node.
 """
 from __future__ import annotations
+
+import heapq
 
 from kernels.serving.allocator import BlockAllocator
 
@@ -40,6 +42,7 @@ class RadixCache:
         self.clock = 0                  # a counter, not wall time: eviction order is deterministic
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.num_cached_pages = 0
 
     def _tick(self, node: Node) -> None:
         self.clock += 1
@@ -74,14 +77,21 @@ class RadixCache:
             node, pages, i = child, pages + child.pages, i + k * self.P
         return node, pages, i
 
-    def match(self, tokens) -> list[int]:
-        """Pages of the longest cached whole-page prefix of ``tokens`` (the caller increfs them)."""
+    def match(self, tokens, *, count: bool = True) -> list[int]:
+        """Pages of the longest cached whole-page prefix of ``tokens`` (the caller increfs them).
+        ``count=False`` leaves the hit statistics alone (the scheduler counts a match only once the
+        request is admitted, :meth:`count`)."""
         tokens = tuple(tokens)
         node, pages, matched = self._walk(tokens)
         self._tick(node)
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += matched
+        if count:
+            self.count(len(tokens), matched)
         return pages
+
+    def count(self, queried: int, hit: int) -> None:
+        """Record a lookup of ``queried`` tokens of which ``hit`` were cached."""
+        self.queried_tokens += queried
+        self.hit_tokens += hit
 
     def insert(self, tokens, pages: list[int]) -> int:
         """Store ``pages`` (len(tokens) == len(pages) * page_size) under ``tokens``; the tree increfs
@@ -93,6 +103,7 @@ class RadixCache:
         if matched < len(tokens):
             new_pages = pages[matched // self.P:]
             self.allocator.incref(new_pages)
+            self.num_cached_pages += len(new_pages)
             leaf = Node(tokens[matched:], list(new_pages), node)
             node.children[leaf.key[:self.P]] = leaf
             node = leaf
@@ -107,28 +118,36 @@ class RadixCache:
             if not n.children and n is not self.root:
                 yield n
 
+    def _evictable(self, node: Node) -> bool:
+        """A leaf whose pages only the tree holds (count 1): no running sequence reads them."""
+        return node is not self.root and not node.children and all(self.allocator.refcount[p] == 1 for p in node.pages)
+
     def evict(self, n_pages: int) -> int:
         """Free at least ``n_pages`` pages if possible, least recently used leaves first, skipping
-        leaves whose pages a running sequence still holds. Returns the pages freed."""
+        leaves whose pages a running sequence still holds. Returns the pages freed.
+
+        One walk puts the evictable leaves in a min-heap by last access; each pop frees a leaf, and a
+        parent that this leaves childless (and unheld) joins the heap: O(leaves + k log leaves) for k
+        evictions, where rescanning every leaf per eviction would be O(k * leaves) (SGLang's evict
+        keeps the same heap, sgl-project/sglang@006b0e3d, radix_cache.py)."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if self._evictable(n)]
+        heapq.heapify(heap)
         freed = 0
-        while freed < n_pages:
-            free_leaves = [n for n in self._leaves() if all(self.allocator.refcount[p] == 1 for p in n.pages)]
-            if not free_leaves:
-                break
-            leaf = min(free_leaves, key=lambda n: n.last_access)
+        while freed < n_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
             self.allocator.decref(leaf.pages)
             freed += len(leaf.pages)
-            del leaf.parent.children[leaf.key[:self.P]]
+            self.num_cached_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[leaf.key[:self.P]]
+            if self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
     @property
     def cached_pages(self) -> int:
-        count, stack = 0, [self.root]
-        while stack:
-            n = stack.pop()
-            count += len(n.pages)
-            stack.extend(n.children.values())
-        return count
+        """Pages the tree holds (a counter kept by insert and evict)."""
+        return self.num_cached_pages
 
     def clear(self) -> None:
         """Drop every page the tree holds (a sequence still holding one keeps it)."""
@@ -140,6 +159,7 @@ class RadixCache:
                 self.allocator.decref(n.pages)
             stack.extend(n.children.values())
         self.root = Node((), [], None)
+        self.num_cached_pages = 0
 
     @property
     def hit_rate(self) -> float:
