@@ -256,3 +256,54 @@ def test_tile_corners_are_64_bit(aot):
     job = L.launch_job(*L.LLAMA3_70B_UP, tiles=L.TILES["sm90"])
     runtime_args = [name for name, kind in job.signature.items() if kind != "constexpr"]   # PTX parameter order
     assert 64 in ki.param_product_widths(aot["masked"]["sm90"], runtime_args.index("stride_am"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA C++ ladder: its SASS here, its numbers on a GPU
+
+from kernels.gemm import cuda_ladder as CL  # noqa: E402
+from kernels.ptx import sass as SASS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cuda_ladder_sm80():
+    build = ki.compile_cuda("gemm_ladder", arch="sm80")
+    return build, {step.kernel: SASS.opcodes(build.sass, step.kernel) for step in CL.STEPS.values()}
+
+
+def test_cuda_ladder_sass_shows_each_step(cuda_ladder_sm80):
+    build, ops = cuda_ladder_sm80
+    naive, coalesced = ops["sgemm_naive"], ops["sgemm_coalesced"]
+    assert naive == coalesced and naive["LDS"] == 0                      # coalescing is addresses, not instructions
+    smem = ops["sgemm_smem"]
+    assert smem["BAR.SYNC.DEFER_BLOCKING"] == 2 and smem["STS"] == 2     # stage a tile of A and of B, sync twice
+    vec = ops["sgemm_vectorized"]
+    assert vec["LDG.E.128"] == 2 and vec["LDS.128"] > 0 and vec["FFMA"] == 8 * 8 * 8   # 8 k steps x 8x8 outer products
+    ratio = lambda o: o["FFMA"] / sum(n for op, n in o.items() if op.startswith("LDS"))   # noqa: E731
+    assert ratio(ops["sgemm_smem"]) < ratio(ops["sgemm_blocktile_1d"]) < ratio(vec)
+    assert all(sum(n for op, n in o.items() if op.split(".")[0] in ("STL", "LDL")) == 0 for o in ops.values())
+
+
+def test_warp_addresses_show_coalescing():
+    lines = lambda addrs: len({a // 128 for a in addrs})                    # noqa: E731  128-byte lines touched
+    assert lines(CL.warp_addresses("naive", "A", K=4096, N=4096)) == 32
+    assert lines(CL.warp_addresses("coalesced", "B", K=4096, N=4096)) == 1
+    assert lines(CL.warp_addresses("coalesced", "A", K=4096, N=4096)) == 1   # one address, broadcast
+
+
+def test_cuda_ladder_refuses_shapes_it_does_not_tile():
+    a = torch.zeros(100, 64)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        CL.matmul_cuda(a, torch.zeros(64, 128), "2-D blocking, float4")
+    with pytest.raises(ValueError, match="step must be one of"):
+        CL.matmul_cuda(a, torch.zeros(64, 128), "warp tiling")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA ladder runs only on an NVIDIA GPU")
+@pytest.mark.parametrize("step", list(CL.STEPS))
+def test_cuda_ladder_matches_torch_on_a_gpu(step):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, 384, device="cuda", generator=g)
+    b = torch.randn(384, 512, device="cuda", generator=g)
+    assert_close(CL.matmul_cuda(a, b, step), a.double() @ b.double(), baseline=a @ b, dtype=torch.float32)
