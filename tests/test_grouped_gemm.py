@@ -138,46 +138,67 @@ def test_bad_input_refused():
         grouped_gemm(x, w.double(), offsets, rows=rows)
 
 
+def test_slot_table_reads_each_expert_from_its_cache_slot():
+    """``slot_of`` maps expert e to slot slot_of[e] of a smaller weight buffer (an expert cache)."""
+    x, w, offsets, rows = _problem([9, 0, 33, 4], K=24, N=40, seed=8)
+    slot_of = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
+    cache = torch.stack([w[2], w[3], w[0]])                              # slots 0, 1, 2 hold experts 2, 3, 0
+    got = gg._forward(x, cache, rows, offsets, int(offsets[-1]), slot_of=slot_of.clamp(min=0))
+    assert_close(got, grouped_gemm_ref(x, w, offsets, rows))
+
+
 # ---------------------------------------------------------------------------------------------- AOT
 
 @pytest.fixture(scope="module")
 def sm90_builds():
-    jobs = gg.aot_jobs("sm90")
+    jobs = gg.compile_jobs()
     # broken variant for the spill check: a 256 x 256 tile on 4 warps holds 512 fp32 accumulators a thread
     import dataclasses
-    jobs["grouped_gemm, 256x256 tile"] = dataclasses.replace(
-        jobs["grouped_gemm (gather)"], constexprs=dict(jobs["grouped_gemm (gather)"].constexprs, BLOCK_M=256, BLOCK_N=256))
+    fwd = jobs["grouped_gemm forward Mixtral gate+up, 4096 tokens top-2"]
+    jobs["grouped_gemm, 256x256 tile"] = dataclasses.replace(fwd, constexprs=dict(fwd.constexprs, BLOCK_M=256, BLOCK_N=256))
     builds = ki.compile_triton_many(list(jobs.values()), archs=("sm90",))
-    return {label: b["sm90"] for label, b in zip(jobs, builds)}
+    return {label: b["sm90"] for label, b in zip(jobs, builds)}, jobs
+
+
+def test_compile_jobs_are_derived_from_the_launch():
+    """launch_job on the launcher's own arguments (meta tensors at Mixtral's and DeepSeek-V3's widths):
+    unit strides become constexprs, widths and row strides carry %16, UPCAST is off as on a GPU."""
+    for label, job in gg.compile_jobs().items():
+        spec = job.specialization().splitlines()
+        assert "stride_ak: =1" in spec and "K: i32 %16" in spec and "N: i32 %16" in spec, label
+        assert "stride_am: i32 %16" in spec, label
+        assert job.constexprs["UPCAST"] is False and job.constexprs["GATHER"] is ("gate+up" in label), label
 
 
 def test_sm90_builds_do_not_spill_and_use_wgmma(sm90_builds):
-    """One build serves every width of REAL_WIDTHS (K and N are runtime arguments): no spills, wgmma, cp.async."""
-    table = ki.resource_table(list(sm90_builds.items()))
-    for label in ("grouped_gemm (gather)", "grouped_wgrad (gather)"):
-        b = sm90_builds[label]
+    builds, _ = sm90_builds
+    table = ki.resource_table(list(builds.items()))
+    for label, b in builds.items():
+        if "256x256" in label:
+            continue
         assert b.spills == 0 and b.metadata["stack_bytes"] == 0, f"{label} spills\n{table}"
         fam = b.families()
         assert fam["HGMMA"] > 0 and fam["LDGSTS"] > 0, f"{label}: {dict(fam)}"
-    assert max(K * N for K, N in gg.REAL_WIDTHS.values()) < 2**31       # one expert's W: int32 offsets suffice
+    assert max(K * N for _, K, N in gg.REAL_WIDTHS.values()) < 2**31     # one expert's W: int32 offsets suffice
 
 
 def test_sm90_spill_check_catches_an_oversized_tile(sm90_builds):
-    b = sm90_builds["grouped_gemm, 256x256 tile"]
-    assert b.spills > 0
+    builds, _ = sm90_builds
+    assert builds["grouped_gemm, 256x256 tile"].spills > 0
 
 
 def _param_widths(build, job, arg):
     """64 if the argument is sign-extended into a 64-bit product in the PTX, 32 if it enters a 32-bit one."""
-    index = [n for n in job.kernel.arg_names if n not in job.constexprs].index(arg)   # the PTX numbers the runtime args
-    return ki.param_product_widths(build, index)
+    runtime_args = [n for n in job.kernel.arg_names if n not in job.constexprs]   # the PTX numbers the runtime args
+    return ki.param_product_widths(build, runtime_args.index(arg))
 
 
 def test_ptx_uses_64bit_products_for_token_rows_and_experts(sm90_builds):
     """row * stride_am passes 2**31 at 524,288 Mixtral tokens (4096 wide); e * stride_we at DeepSeek-V3's
     256 experts of 7168 x 2048: both products are 64-bit in the PTX; inside one expert W's offsets stay 32-bit."""
-    fwd = sm90_builds["grouped_gemm (gather)"]
-    job = gg.aot_jobs("sm90")["grouped_gemm (gather)"]
+    builds, jobs = sm90_builds
+    label = "grouped_gemm forward Mixtral gate+up, 4096 tokens top-2"
+    fwd, job = builds[label], jobs[label]
     assert 524288 * 4096 == 2**31 and 255 * 7168 * 4096 > 2**31
     for arg in ("stride_am", "stride_we", "stride_cm"):
         assert _param_widths(fwd, job, arg) == {64}, arg

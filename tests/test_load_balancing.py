@@ -84,6 +84,39 @@ def test_broken_bias_update_is_caught():
     assert max_violation(load) > max_violation(load0)
 
 
+def test_global_batch_loss_takes_f_from_the_global_load():
+    """Four micro-batches, each routed to its own two experts: globally perfectly balanced (L = 1 with
+    the global f), while every micro-batch alone is maximally unbalanced (L = E / k = 4)."""
+    E, T = 8, 64
+    micro = []
+    for j in range(4):
+        ids = torch.tensor([[2 * j, 2 * j + 1]] * T)
+        probs = torch.zeros(T, E, dtype=torch.float64)
+        probs[:, 2 * j: 2 * j + 2] = 0.5
+        micro.append((probs, ids))
+    total = sum(torch.bincount(ids.flatten(), minlength=E) for _, ids in micro)
+    local = sum(float(switch_aux_loss(p, i)) for p, i in micro) / 4
+    global_ = sum(float(switch_aux_loss(p, i, load=total)) for p, i in micro) / 4
+    assert abs(local - 4.0) < 1e-9 and abs(global_ - 1.0) < 1e-9
+    with pytest.raises(ValueError, match="load must be"):
+        switch_aux_loss(micro[0][0], micro[0][1], load=total[:4])
+
+
+def test_bias_update_from_the_all_reduced_load_keeps_replicas_identical():
+    """Two gloo ranks whose shards prefer different experts: from their own loads their biases part;
+    from the all-reduced load they stay equal."""
+    from kernels.dist.launch import launch
+
+    g = torch.Generator().manual_seed(4)
+    u = torch.randn(512, 8, generator=g) + torch.linspace(-1, 1, 8)
+    u[:256] += torch.linspace(1.5, -1.5, 8)
+    local = launch(balance.bias_update_worker, 2, (u, 2, 0.01, 50, False)).results
+    synced = launch(balance.bias_update_worker, 2, (u, 2, 0.01, 50, True)).results
+    assert float((local[0] - local[1]).abs().max()) > 0.1
+    assert torch.equal(synced[0], synced[1])
+    assert torch.equal(balance.global_load(torch.tensor([3, 1])), torch.tensor([3, 1]))   # no group: unchanged
+
+
 def test_bad_input_refused():
     with pytest.raises(ValueError, match="must share T"):
         switch_aux_loss(torch.rand(4, 3), torch.zeros(5, 1, dtype=torch.long))

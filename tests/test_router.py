@@ -1,10 +1,12 @@
 """kernels.moe.router: top-k softmax / sigmoid-with-bias routing (kernel against reference), capacity
-and dropped tokens, and permutation / un-permutation (kernels.moe.permute)."""
+and dropped tokens, GShard's random second expert, permutation / un-permutation (kernels.moe.permute),
+and the router's AOT jobs derived from the launcher's own arguments."""
 import kernels  # noqa: F401  (before triton)
 
 import pytest
 import torch
 
+from kernels import inspect as ki
 from kernels.moe import router
 from kernels.moe.permute import permute_ref, sort_by_expert, unpermute_ref
 from kernels.moe.router import capacity, dropped_fraction, keep_mask, topk_route, topk_route_ref
@@ -95,6 +97,38 @@ def test_bad_input_refused():
         topk_route(u.double(), 2)
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         capacity(10, 4, 2, 0.0)
+    with pytest.raises(ValueError, match="route_scale must be positive"):
+        topk_route(u, 2, route_scale=0.0)
+    with pytest.raises(ValueError, match=r"\(T, 2\) top-2"):
+        router.gshard_second_keep(torch.rand(4, 3))
+    with pytest.raises(ValueError, match="threshold must be positive"):
+        router.gshard_second_keep(torch.rand(4, 2), threshold=0)
+
+
+def test_route_scale_multiplies_the_weights_after_normalising():
+    """DeepSeek-V3: sigmoid weights renormalised to 1, then times 2.5 (kernel and reference)."""
+    u = _logits(21, 256, seed=8)
+    bias = _logits(1, 256, seed=9)[0] * 0.05
+    w, ids = topk_route(u, 8, score="sigmoid", bias=bias, route_scale=2.5)
+    w_ref, ids_ref = topk_route_ref(u, 8, score="sigmoid", bias=bias, route_scale=2.5)
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref)
+    assert torch.allclose(w.sum(-1), torch.full((21,), 2.5))
+    w1, _ = topk_route_ref(u, 8, score="sigmoid", bias=bias)
+    assert_close(w_ref, 2.5 * w1)
+
+
+def test_gshard_random_second_expert():
+    """The second expert is kept with probability min(1, w2 / 0.2): always when w2 >= 0.2, at the
+    rate w2 / 0.2 below it; the first choice always."""
+    g = torch.Generator().manual_seed(10)
+    T = 20000
+    w = torch.stack([torch.full((T,), 0.95), torch.full((T,), 0.05)], dim=1)     # w2 = 0.05: kept 25% of the time
+    keep = router.gshard_second_keep(w, generator=g)
+    assert bool(keep[:, 0].all())
+    assert abs(float(keep[:, 1].float().mean()) - 0.25) < 0.02
+    strong = torch.tensor([[0.6, 0.4]] * 100)
+    assert bool(router.gshard_second_keep(strong, generator=g).all())
 
 
 def test_capacity_and_priority_order():
@@ -138,3 +172,23 @@ def test_broken_unpermute_is_caught():
     xs, order, _ = permute_ref(x, ids, 5)
     with pytest.raises(MismatchError):
         assert_close(unpermute_ref(xs, order, torch.ones_like(w).double()), unpermute_ref(xs, order, w.double()))
+
+
+# ---------------------------------------------------------------------------------------------- AOT
+
+def test_compile_jobs_come_from_the_launcher_arguments():
+    """The jobs are launch_job's derivation from _launch_args at real sizes: T = 4096 and DeepSeek-V3's
+    E = 256 carry %16, Mixtral's E = 8 does not, the unit expert stride is a constexpr 1."""
+    jobs = router.compile_jobs()
+    mixtral = jobs["topk_route Mixtral 8x7B (E=8, k=2, softmax), 4096 tokens"].specialization().splitlines()
+    v3 = jobs["topk_route DeepSeek-V3 (E=256, k=8, sigmoid), 4096 tokens"].specialization().splitlines()
+    assert "T: i32 %16" in mixtral and "E: i32" in mixtral and "stride_e: =1" in mixtral
+    assert "E: i32 %16" in v3 and "stride_t: i32 %16" in v3 and "route_scale: fp32" in v3
+
+
+def test_router_builds_do_not_spill_at_real_sizes():
+    jobs = router.compile_jobs()
+    builds = ki.compile_triton_many(list(jobs.values()), archs=("sm80", "sm90"))
+    for label, b in zip(jobs, builds):
+        for arch, build in b.items():
+            assert build.spills == 0 and build.metadata["stack_bytes"] == 0, f"{label} {arch} spills"

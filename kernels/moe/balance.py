@@ -24,22 +24,47 @@ after every step
 
 so an overloaded expert becomes harder to pick and an underloaded one easier. DeepSeek-V3 used
 gamma = 0.001 for most of its pre-training.
+
+Global statistics. Under data (or expert) parallelism each rank routes its own micro-batch. The
+bias update must use the load summed over all ranks (:func:`global_load`, an all-reduce): from a
+rank's own load each replica would move its bias its own way and the replicas of one model would
+route the same token differently. For the auxiliary loss, Qiu et al. (2025) synchronise f_i across
+the micro-batches of a global batch (``switch_aux_loss(..., load=global load)``) instead of
+balancing each micro-batch, which at a few sequences per micro-batch means balancing every
+sequence and keeps experts from specialising by domain.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
-def switch_aux_loss(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """E * sum_i f_i P_i for probs (T, E) (the full softmax, differentiable) and ids (T, k)."""
+def switch_aux_loss(probs: torch.Tensor, ids: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
+    """E * sum_i f_i P_i for probs (T, E) (the full softmax, differentiable) and ids (T, k).
+
+    f_i comes from this batch's ids, or from ``load`` (E,) when given: the assignments counted over
+    a whole global batch (Qiu et al.'s global-batch loss; P_i stays this micro-batch's)."""
     if probs.dim() != 2 or ids.dim() != 2 or probs.shape[0] != ids.shape[0]:
         raise ValueError(f"switch_aux_loss: probs (T, E) and ids (T, k) must share T, got {tuple(probs.shape)} "
                          f"and {tuple(ids.shape)}")
     T, E = probs.shape
     k = ids.shape[1]
-    f = torch.bincount(ids.reshape(-1), minlength=E).to(probs.dtype) / (k * T)   # (E,) dispatch fraction
+    if load is None:
+        load = torch.bincount(ids.reshape(-1), minlength=E)
+    elif load.shape != (E,):
+        raise ValueError(f"switch_aux_loss: load must be (E,) = ({E},), got {tuple(load.shape)}")
+    f = load.to(probs.dtype) / load.sum().to(probs.dtype)                         # (E,) dispatch fraction
     P = probs.mean(dim=0)                                                         # (E,) mean probability
     return E * (f * P).sum()
+
+
+def global_load(load: torch.Tensor) -> torch.Tensor:
+    """The load summed over every rank of the default process group (a copy; this rank's load
+    unchanged when no group is initialised)."""
+    total = load.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -63,3 +88,19 @@ def max_violation(load: torch.Tensor) -> float:
     """MaxVio = (max_i load_i - mean load) / mean load (Wang et al. 2024): 0 when perfectly balanced."""
     load = load.to(torch.float64)
     return float((load.max() - load.mean()) / load.mean())
+
+
+def bias_update_worker(rank: int, world_size: int, logits: torch.Tensor, k: int, rate: float, steps: int,
+                       synchronise: bool) -> torch.Tensor:
+    """One data-parallel rank of a fixed sigmoid router (``kernels.dist.launch``): it routes its own
+    shard of ``logits`` (T, E) for ``steps`` bias updates, from its own load or, ``synchronise``, from
+    the all-reduced load. Returns its final bias (E,)."""
+    from kernels.moe.router import topk_route_ref
+
+    shard = logits.chunk(world_size)[rank]
+    bias = torch.zeros(logits.shape[1])
+    for _ in range(steps):
+        ids = topk_route_ref(shard, k, score="sigmoid", bias=bias)[1]
+        load = torch.bincount(ids.flatten(), minlength=logits.shape[1])
+        bias = bias_update(bias, global_load(load) if synchronise else load, rate)
+    return bias

@@ -202,38 +202,61 @@ def _grouped_wgrad_kernel(
 # Launchers
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and not runtime.runtime().on_gpu
+def _upcast(dtype: torch.dtype, on_gpu: bool | None = None) -> bool:
+    """bf16 operands go through tl.dot as fp32 under the interpreter (which multiplies bf16 bit patterns)."""
+    on_gpu = runtime.runtime().on_gpu if on_gpu is None else on_gpu
+    return dtype == torch.bfloat16 and not on_gpu
 
 
-def _forward(a, w, rows, offsets, M, *, tiles=None, aligned=True):
-    """C (M, N) = A[rows] @ W_e per expert; ``w`` may be any strided (E, K, N) view."""
-    block_m, block_n, block_k, warps, stages = tiles or TILES[_arch()]
-    E, K, N = w.shape
+def _forward_args(a, w, rows, c, offsets, schedule, tiles, *, on_gpu: bool | None = None):
+    """(grid, args, kwargs) of one launch of :func:`_grouped_gemm_kernel`, for the launcher and for
+    :func:`compile_jobs` alike. ``schedule`` is (tile_expert, tile_start, tile_end); ``w`` may be any
+    strided (E, K, N) view (the backward pass passes W^T per expert by swapping strides).
+    ``on_gpu`` (default: this process's device) decides the interpreter's bf16 upcast."""
+    block_m, block_n, block_k, warps, stages = tiles
+    _, K, N = w.shape
+    expert, start, end = schedule
+    grid = (expert.numel(), triton.cdiv(N, block_n))
+    args = (a, rows if rows is not None else offsets, w, c, expert, start, end, N, K,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1))
+    kwargs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=rows is not None,
+                  UPCAST=_upcast(a.dtype, on_gpu), num_warps=warps, num_stages=stages)
+    return grid, args, kwargs
+
+
+def _forward(a, w, rows, offsets, M, *, tiles=None, aligned=True, slot_of=None):
+    """C (M, N) = A[rows] @ W_e per expert. ``slot_of`` (E,) int32 maps expert e to the index of its
+    weights in ``w`` (an expert cache holding only some experts, :mod:`kernels.moe.offload`)."""
+    tiles = tiles or TILES[_arch()]
+    N = w.shape[2]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    expert, start, end = tile_schedule(offsets, M, block_m, aligned=aligned)
-    grid = (expert.numel(), triton.cdiv(N, block_n))
-    _grouped_gemm_kernel[grid](
-        a, rows if rows is not None else offsets, w, c, expert, start, end, N, K,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=rows is not None,
-        UPCAST=_upcast(a.dtype), num_warps=warps, num_stages=stages)
+    expert, start, end = tile_schedule(offsets, M, tiles[0], aligned=aligned)
+    if slot_of is not None:
+        expert = slot_of[expert.long()].to(torch.int32)                    # tile's expert -> its cache slot
+    grid, args, kwargs = _forward_args(a, w, rows, c, offsets, (expert, start, end), tiles)
+    _grouped_gemm_kernel[grid](*args, **kwargs)
     return c
+
+
+def _wgrad_args(a, rows, dc, dw, offsets, tiles, *, on_gpu: bool | None = None):
+    """(grid, args, kwargs) of one launch of :func:`_grouped_wgrad_kernel`."""
+    block_k, block_n, block_m, warps, stages = tiles
+    E, K, N = dw.shape
+    grid = (E, triton.cdiv(K, block_k), triton.cdiv(N, block_n))
+    args = (a, rows if rows is not None else offsets, dc, dw, offsets, K, N,
+            a.stride(0), a.stride(1), dc.stride(0), dc.stride(1), dw.stride(0), dw.stride(1), dw.stride(2))
+    kwargs = dict(BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, GATHER=rows is not None,
+                  UPCAST=_upcast(dc.dtype, on_gpu), num_warps=warps, num_stages=stages)
+    return grid, args, kwargs
 
 
 def _wgrad(a, rows, dc, offsets, shape, dtype, *, tiles=None):
     """dW (E, K, N) with dW_e = A_e^T dC_e."""
-    block_k, block_n, block_m, warps, stages = tiles or WGRAD_TILES[_arch()]
-    E, K, N = shape
-    dw = torch.empty(E, K, N, dtype=dtype, device=dc.device)
-    grid = (E, triton.cdiv(K, block_k), triton.cdiv(N, block_n))
-    _grouped_wgrad_kernel[grid](
-        a, rows if rows is not None else offsets, dc, dw, offsets, K, N,
-        a.stride(0), a.stride(1), dc.stride(0), dc.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, GATHER=rows is not None,
-        UPCAST=_upcast(dc.dtype), num_warps=warps, num_stages=stages)
+    dw = torch.empty(*shape, dtype=dtype, device=dc.device)
+    grid, args, kwargs = _wgrad_args(a, rows, dc, dw, offsets, tiles or WGRAD_TILES[_arch()])
+    _grouped_wgrad_kernel[grid](*args, **kwargs)
     return dw
 
 
@@ -299,38 +322,45 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, row
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time builds at real models' widths (no GPU needed)
 
-# (K, N) of the expert GEMMs of two real models: Mixtral 8x7B (hidden 4096, expert FFN 14336) and
-# DeepSeek-V3 (hidden 7168, expert FFN 2048). Gate and up share one GEMM of width 2 * FFN.
+# (E, K, N) of the expert GEMMs of two real models, from their configurations: Mixtral 8x7B (hidden
+# 4096, expert FFN 14336, 8 experts) and DeepSeek-V3 (hidden 7168, expert FFN 2048, 256 experts).
+# Gate and up share one GEMM of width 2 * FFN.
 REAL_WIDTHS = {
-    "Mixtral gate+up": (4096, 2 * 14336), "Mixtral down": (14336, 4096),
-    "DeepSeek-V3 gate+up": (7168, 2 * 2048), "DeepSeek-V3 down": (2048, 7168),
+    "Mixtral gate+up": (8, 4096, 2 * 14336), "Mixtral down": (8, 14336, 4096),
+    "DeepSeek-V3 gate+up": (256, 7168, 2 * 2048), "DeepSeek-V3 down": (256, 2048, 7168),
 }
 
 
-def _aligned(signature: dict) -> list[str]:
-    """Arguments the JIT would mark 16-divisible: pointers, and the widths and strides (every width of
-    REAL_WIDTHS is a multiple of 16)."""
-    return [n for n, t in signature.items() if t.startswith("*") or n in ("N", "K") or n.startswith("stride")]
-
-
-def aot_jobs(arch: str = "sm90", dtype: str = "bf16") -> dict:
-    """``{label: kernels.inspect.TritonJob}``: the forward (gather form) and weight-gradient kernels
-    with the launchers' tiles for ``arch``, unit strides specialised as the JIT does. K and N are
-    runtime arguments, so one build serves every width of :data:`REAL_WIDTHS`."""
+def launch_jobs(label: str, num_tokens: int, top_k: int, *, arch: str = "sm90",
+                dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The AOT jobs of one expert GEMM of :data:`REAL_WIDTHS` on ``num_tokens`` tokens routed top-k:
+    the forward in its gather form (the first GEMM reads the unsorted tokens through ``rows``; the
+    second reads the sorted rows) and the weight gradient, on meta tensors, with ``arch``'s tiles."""
     from kernels import inspect as ki
 
-    bm, bn, bk, warps, stages = TILES[arch]
-    fwd_sig = {"a_ptr": f"*{dtype}", "rows_ptr": "*i64", "w_ptr": f"*{dtype}", "c_ptr": f"*{dtype}",
-               "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32",
-               "N": "i32", "K": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wk": "i32",
-               "stride_cm": "i32"}
-    # _aligned: what the JIT infers from real tensors, and what lets the loads be 16-byte vectors.
-    fwd = ki.TritonJob(_grouped_gemm_kernel, fwd_sig, num_warps=warps, num_stages=stages, aligned=_aligned(fwd_sig), constexprs=dict(
-        stride_ak=1, stride_wn=1, stride_cn=1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GATHER=True, UPCAST=False))
-    wk, wn, wm, wwarps, wstages = WGRAD_TILES[arch]
-    wg_sig = {"a_ptr": f"*{dtype}", "rows_ptr": "*i64", "dc_ptr": f"*{dtype}", "dw_ptr": f"*{dtype}",
-              "offsets_ptr": "*i64", "K": "i32", "N": "i32", "stride_am": "i32", "stride_dcm": "i32",
-              "stride_we": "i32", "stride_wk": "i32"}
-    wgrad = ki.TritonJob(_grouped_wgrad_kernel, wg_sig, num_warps=wwarps, num_stages=wstages, aligned=_aligned(wg_sig), constexprs=dict(
-        stride_ak=1, stride_dcn=1, stride_wn=1, BLOCK_K=wk, BLOCK_N=wn, BLOCK_M=wm, GATHER=True, UPCAST=False))
-    return {"grouped_gemm (gather)": fwd, "grouped_wgrad (gather)": wgrad}
+    E, K, N = REAL_WIDTHS[label]
+    M = num_tokens * top_k
+    gather = "gate+up" in label
+    meta = dict(device="meta", dtype=dtype)
+    a = torch.empty(num_tokens if gather else M, K, **meta)
+    rows = torch.empty(M, dtype=torch.int64, device="meta") if gather else None
+    w = torch.empty(E, K, N, **meta)
+    c = torch.empty(M, N, **meta)
+    offsets = torch.empty(E + 1, dtype=torch.int64, device="meta")
+    tiles = TILES[arch]
+    slots = num_tile_slots(M, E, tiles[0])
+    schedule = tuple(torch.empty(slots, dtype=torch.int32, device="meta") for _ in range(3))
+    _, fwd_args, fwd_kwargs = _forward_args(a, w, rows, c, offsets, schedule, tiles, on_gpu=True)
+    _, wg_args, wg_kwargs = _wgrad_args(a, rows, c, w, offsets, WGRAD_TILES[arch], on_gpu=True)
+    return {"forward": ki.launch_job(_grouped_gemm_kernel, *fwd_args, target=arch, **fwd_kwargs),
+            "wgrad": ki.launch_job(_grouped_wgrad_kernel, *wg_args, target=arch, **wg_kwargs)}
+
+
+def compile_jobs() -> dict:
+    """The forward and weight-gradient kernels at Mixtral's and DeepSeek-V3's expert widths, 4096
+    tokens routed top-2 and top-8, with the sm90 tiles."""
+    jobs = {}
+    for label, k in (("Mixtral gate+up", 2), ("DeepSeek-V3 down", 8)):
+        for kind, job in launch_jobs(label, 4096, k).items():
+            jobs[f"grouped_gemm {kind} {label}, 4096 tokens top-{k}"] = job
+    return jobs

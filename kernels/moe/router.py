@@ -9,12 +9,16 @@ A router is one linear layer, logits u = x W_r^T (T, E). Two scoring rules are i
   softmax over the k kept logits, softmax(topk(u));
 * sigmoid with a selection bias (DeepSeek-V3): s = sigmoid(u) per expert, choose the top k of
   s + b (b is the load-balancing bias, :mod:`kernels.moe.balance`), weight by s / sum of the chosen
-  s. The bias decides *which* experts, never *how much* each contributes.
+  s. The bias decides *which* experts, never *how much* each contributes. DeepSeek-V3 then multiplies
+  the k weights by a constant ``route_scale`` (2.5 in its released configuration), so that its routed
+  experts add up to 2.5 times the weight of its always-on shared expert.
 
 Capacity (GShard, Switch): an expert holds at most ``capacity = ceil(capacity_factor * k * T / E)``
 tokens; assignments past it are dropped (the token's residual connection carries it through).
 Who is kept is decided in priority order: every token's first choice before any second choice,
-and within one choice rank, earlier tokens first (GShard's rule for top-2).
+and within one choice rank, earlier tokens first (GShard's rule for top-2). GShard also thins the
+second choices at random before the capacity: ``gshard_second_keep`` keeps token t's second expert
+with probability min(1, w_2 / threshold), threshold 0.2 (Mesh TensorFlow's "random" policy).
 
 ``topk_route`` is a Triton kernel that does the softmax and the top-k of a block of tokens in one
 pass (``topk_route_ref`` is the PyTorch reference): the logits are read once and only (T, k)
@@ -36,13 +40,14 @@ SCORES = ("softmax", "sigmoid")
 
 
 def topk_route_ref(logits: torch.Tensor, k: int, *, score: str = "softmax", normalize: bool = True,
-                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   bias: torch.Tensor | None = None, route_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights (T, k) fp32 (fp64 kept) and expert ids (T, k) int64 of the k experts each token goes to.
 
     softmax: p = softmax(u); keep the k largest p; ``normalize`` divides them by their sum.
     sigmoid: s = sigmoid(u); choose the k largest s + bias; weights s / sum(chosen s).
+    Then every weight is multiplied by ``route_scale`` (DeepSeek-V3: 2.5).
     Ties go to the lower expert id (torch.topk on the CPU and the kernel agree on this)."""
-    _check_route_args("topk_route_ref", logits, k, score, bias)
+    _check_route_args("topk_route_ref", logits, k, score, bias, route_scale)
     u = logits if logits.dtype == torch.float64 else logits.float()
     scores = torch.softmax(u, dim=-1) if score == "softmax" else torch.sigmoid(u)   # (T, E)
     choose = scores if bias is None else scores + bias.to(u.dtype)                       # bias: selection only
@@ -50,7 +55,7 @@ def topk_route_ref(logits: torch.Tensor, k: int, *, score: str = "softmax", norm
     weights = scores.gather(1, ids)                                                  # unbiased scores
     if normalize or score == "sigmoid":
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights * route_scale, ids
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -89,7 +94,22 @@ def dropped_fraction(expert_ids: torch.Tensor, num_experts: int, capacity_factor
     return 1.0 - float(keep_mask(expert_ids, num_experts, cap).float().mean())
 
 
-def _check_route_args(name: str, logits, k, score, bias) -> None:
+def gshard_second_keep(weights: torch.Tensor, threshold: float = 0.2,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """(T, 2) bool: GShard's random routing of the second expert. The first choice is always kept;
+    the second with probability min(1, w_2 / threshold), w_2 its weight after renormalising the two
+    (Mesh TensorFlow's ``moe_second_policy="random"``, threshold 0.2). A token whose second expert
+    matters little is then usually sent to one expert only, which saves capacity."""
+    if weights.dim() != 2 or weights.shape[1] != 2:
+        raise ValueError(f"gshard_second_keep: weights must be (T, 2) top-2 weights, got {tuple(weights.shape)}")
+    if threshold <= 0:
+        raise ValueError(f"gshard_second_keep: threshold must be positive, got {threshold}")
+    w2 = weights[:, 1] / weights.sum(dim=-1)                                # renormalised second weight
+    u = torch.rand(weights.shape[0], generator=generator, dtype=torch.float64, device=weights.device)
+    return torch.stack([torch.ones_like(w2, dtype=torch.bool), u < w2.double() / threshold], dim=1)
+
+
+def _check_route_args(name: str, logits, k, score, bias, route_scale: float = 1.0) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"{name}: logits must be a (T, E) tensor, got {getattr(logits, 'shape', type(logits))}")
     if not logits.dtype.is_floating_point:
@@ -100,6 +120,8 @@ def _check_route_args(name: str, logits, k, score, bias) -> None:
         raise ValueError(f"{name}: score must be one of {SCORES}, got {score!r}")
     if bias is not None and (bias.shape != (logits.shape[1],)):
         raise ValueError(f"{name}: bias must have shape (E,) = ({logits.shape[1]},), got {tuple(bias.shape)}")
+    if not route_scale > 0:
+        raise ValueError(f"{name}: route_scale must be positive, got {route_scale}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,7 +131,7 @@ def _check_route_args(name: str, logits, k, score, bias) -> None:
 @triton.jit
 def _topk_route_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr,
-    T, E, stride_t, stride_e,
+    T, E, stride_t, stride_e, route_scale,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, MASK_PAD: tl.constexpr = True,
 ):
@@ -138,10 +160,10 @@ def _topk_route_kernel(
         hit = cols[None, :] == idx[:, None]
         w = tl.sum(tl.where(hit, p, 0.0), axis=1)                                 # the unbiased score
         total += w
-        tl.store(w_ptr + rows.to(tl.int64) * K + j, w, mask=rows < T)
+        tl.store(w_ptr + rows.to(tl.int64) * K + j, w * route_scale, mask=rows < T)
         tl.store(ids_ptr + rows.to(tl.int64) * K + j, idx.to(tl.int64), mask=rows < T)
         choose = tl.where(hit, float("-inf"), choose)
-    if NORMALIZE:                                                                 # w_j / sum of the k kept
+    if NORMALIZE:                                                                 # scale * w_j / sum of the k kept
         for j in tl.static_range(K):
             ptr = w_ptr + rows.to(tl.int64) * K + j
             tl.store(ptr, tl.load(ptr, mask=rows < T, other=1.0) / total, mask=rows < T)
@@ -156,9 +178,10 @@ def route_block_t(num_experts: int) -> int:
 
 
 def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax", normalize: bool = True,
-               bias: torch.Tensor | None = None, block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               bias: torch.Tensor | None = None, route_scale: float = 1.0,
+               block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel version of :func:`topk_route_ref`: weights (T, k) fp32, ids (T, k) int64."""
-    _check_route_args("topk_route", logits, k, score, bias)
+    _check_route_args("topk_route", logits, k, score, bias, route_scale)
     T, E = logits.shape
     if E > MAX_EXPERTS:
         raise ValueError(f"topk_route: at most {MAX_EXPERTS} experts (a row is held in registers), got E={E}")
@@ -166,39 +189,57 @@ def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax", normaliz
         raise ValueError(f"topk_route: k must be at most 16 (the rounds are unrolled), got {k}")
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"topk_route: logits must be fp16, bf16 or fp32, got {logits.dtype}")
-    return _launch(logits, k, score, normalize or score == "sigmoid", bias, block_t or route_block_t(E))
+    return _launch(logits, k, score, normalize or score == "sigmoid", bias, block_t or route_block_t(E),
+                   route_scale=route_scale)
 
 
-def _launch(logits, k, score, normalize, bias, block_t, *, mask_pad: bool = True):
+def _launch_args(logits, bias, weights, ids, k, score, normalize, block_t, *, route_scale: float = 1.0,
+                 mask_pad: bool = True):
+    """(grid, args, kwargs) of one launch of :func:`_topk_route_kernel`, for :func:`topk_route` and
+    for :func:`compile_jobs` alike (``bias`` None: the weights buffer stands in, never read)."""
+    T, E = logits.shape
+    args = (logits, bias if bias is not None else weights, weights, ids, T, E, logits.stride(0), logits.stride(1),
+            float(route_scale))
+    kwargs = dict(K=k, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(E), SIGMOID=score == "sigmoid",
+                  HAS_BIAS=bias is not None, NORMALIZE=normalize, MASK_PAD=mask_pad, num_warps=4)
+    return (triton.cdiv(T, block_t),), args, kwargs
+
+
+def _launch(logits, k, score, normalize, bias, block_t, *, route_scale: float = 1.0, mask_pad: bool = True):
     """Allocate and launch; ``mask_pad=False`` is the broken variant that lets the padding columns
     of a non-power-of-two expert count compete (with sigmoid scores and a negative bias they win)."""
-    T, E = logits.shape
+    T, _ = logits.shape
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
-    bias_arg = bias.float().contiguous() if bias is not None else weights
-    _topk_route_kernel[(triton.cdiv(T, block_t),)](
-        logits, bias_arg, weights, ids, T, E, logits.stride(0), logits.stride(1),
-        K=k, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(E), SIGMOID=score == "sigmoid",
-        HAS_BIAS=bias is not None, NORMALIZE=normalize, MASK_PAD=mask_pad, num_warps=4)
+    bias = bias.float().contiguous() if bias is not None else None
+    grid, args, kwargs = _launch_args(logits, bias, weights, ids, k, score, normalize, block_t,
+                                      route_scale=route_scale, mask_pad=mask_pad)
+    _topk_route_kernel[grid](*args, **kwargs)
     return weights, ids
 
 
-# (E, k) of real routers: Mixtral 8x7B (8 experts, top-2, softmax) and DeepSeek-V3 (256 experts,
-# top-8, sigmoid with the balancing bias).
-REAL_ROUTERS = {"Mixtral": (8, 2, "softmax"), "DeepSeek-V3": (256, 8, "sigmoid")}
+# (E, k, score, route_scale) of real routers, from their released configurations: Mixtral 8x7B
+# (8 experts, top-2, softmax) and DeepSeek-V3 (256 experts, top-8, sigmoid with the balancing bias,
+# weights times 2.5). Group-limited routing (DeepSeek-V3's 4 of 8 groups) is kernels.moe.group_route.
+REAL_ROUTERS = {"Mixtral 8x7B": (8, 2, "softmax", 1.0), "DeepSeek-V3": (256, 8, "sigmoid", 2.5)}
 
 
-def aot_jobs(dtype: str = "bf16") -> dict:
-    """``{label: kernels.inspect.TritonJob}``: the router kernel at the real routers' sizes."""
+def launch_job(name: str, num_tokens: int, dtype: torch.dtype = torch.bfloat16):
+    """The AOT job of :func:`topk_route` on ``num_tokens`` router logits of a real router (meta tensors)."""
     from kernels import inspect as ki
 
-    sig = {"logits_ptr": f"*{dtype}", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
-           "T": "i32", "E": "i32", "stride_t": "i32"}
-    jobs = {}
-    for name, (E, k, score) in REAL_ROUTERS.items():
-        jobs[f"topk_route {name} (E={E}, k={k})"] = ki.TritonJob(_topk_route_kernel, sig, num_warps=4, constexprs=dict(
-            stride_e=1, K=k, BLOCK_T=route_block_t(E), BLOCK_E=triton.next_power_of_2(E), SIGMOID=score == "sigmoid",
-            HAS_BIAS=score == "sigmoid", NORMALIZE=True, MASK_PAD=True))
-    return jobs
+    E, k, score, scale = REAL_ROUTERS[name]
+    logits = torch.empty(num_tokens, E, dtype=dtype, device="meta")
+    bias = torch.empty(E, dtype=torch.float32, device="meta") if score == "sigmoid" else None
+    weights = torch.empty(num_tokens, k, dtype=torch.float32, device="meta")
+    ids = torch.empty(num_tokens, k, dtype=torch.int64, device="meta")
+    _, args, kwargs = _launch_args(logits, bias, weights, ids, k, score, True, route_block_t(E), route_scale=scale)
+    return ki.launch_job(_topk_route_kernel, *args, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The router kernel of Mixtral 8x7B and DeepSeek-V3 on a 4096-token batch of bf16 logits."""
+    return {f"topk_route {name} (E={E}, k={k}, {score}), 4096 tokens": launch_job(name, 4096)
+            for name, (E, k, score, _) in REAL_ROUTERS.items()}

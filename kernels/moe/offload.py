@@ -1,0 +1,196 @@
+"""Expert offloading: serve an MoE whose experts do not all fit in GPU memory.
+
+The experts live in host memory; the GPU holds a *cache* of ``slots`` experts per layer and, at
+decode, copies in over PCIe each expert a token needs that is not there (Eliseev and Mazur 2023,
+"Mixtral offloading"). Two ideas cut the copies:
+
+* **LRU**: keep the experts used most recently (a token's experts are often the previous token's);
+  :func:`simulate` counts hits and misses of a routing trace for any cache size;
+* **speculative prefetch**: while layer l runs, apply layer l+1's router to the hidden state that
+  enters layer l+1's block, guess its experts, and start copying them; a right guess hides the copy
+  behind layer l's compute. :func:`routing_trace` records, per token and layer, the experts the
+  model used and the experts this guess names.
+
+The kernel is the grouped GEMM of :mod:`kernels.moe.grouped_gemm` reading its weights from the
+cache through a table ``slot_of`` (expert e is in slot ``slot_of[e]``): :func:`cached_expert_gemm`.
+A copy is bytes / link bandwidth (:mod:`kernels.gpu.interconnect`); :func:`token_time` turns counts
+into modelled seconds per token, assuming the copies of one layer's prefetch overlap the previous
+layer's compute and on-demand copies do not overlap anything.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kernels.model.gpt import rms_norm_torch
+from kernels.moe import grouped_gemm as gg
+from kernels.moe.router import _stable_topk
+
+
+# ----------------------------------------------------------------------------------------------
+# The routing trace of a model
+
+
+@torch.no_grad()
+def routing_trace(model, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(used, guessed)``, each (T, L, k) int64 for the B*S tokens of idx (B, S) in decode order
+    (sequence by sequence, position by position): the experts each layer used, and for layers
+    1..L-1 the experts that layer's router picks from the residual stream entering its block
+    (available one block early); layer 0's guess is -1 (nothing runs before it)."""
+    model.eval()
+    entering = []
+    hooks = [block.register_forward_pre_hook(lambda _m, args: entering.append(args[0].detach()))
+             for block in model.blocks]
+    try:
+        model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    k = model.config.top_k
+    used = torch.stack([layer.last_ids for layer in model.moe_layers], dim=1)           # (T, L, k)
+    guessed = torch.full_like(used, -1)
+    for layer, (block, x) in enumerate(zip(model.blocks, entering)):
+        if layer == 0:
+            continue
+        h = rms_norm_torch(x, block.norm2.weight, block.eps).reshape(-1, x.shape[-1])   # (T, C) skips this block's attention
+        guessed[:, layer] = _stable_topk(block.moe.router(h), k)
+    return used, guessed
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0               # needed and already in the cache
+    prefetched: int = 0         # needed, not cached, but copied ahead by a right guess (latency hidden)
+    misses: int = 0             # needed and copied on demand (the token waits)
+    wasted: int = 0             # copied ahead on a wrong guess
+    tokens: int = 0
+
+    @property
+    def needed(self) -> int:
+        return self.hits + self.prefetched + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.needed
+
+    @property
+    def copies(self) -> int:
+        return self.prefetched + self.misses + self.wasted
+
+
+def simulate(used: torch.Tensor, slots: int, guessed: torch.Tensor | None = None) -> list[CacheStats]:
+    """Replay a trace (T, L, k) through an LRU cache of ``slots`` experts per layer; one
+    :class:`CacheStats` per layer. With ``guessed`` (T, L, k), a layer's guessed experts that are not
+    cached are copied in (evicting the least recently used) before the layer runs: a guess the
+    layer then uses counts as ``prefetched``, one it does not as ``wasted``."""
+    if used.dim() != 3:
+        raise ValueError(f"simulate: used must be a (T, L, k) trace, got {tuple(used.shape)}")
+    T, L, k = used.shape
+    if not k <= slots:
+        raise ValueError(f"simulate: slots must be at least k={k} (a token's experts must fit), got {slots}")
+    if guessed is not None and guessed.shape != used.shape:
+        raise ValueError(f"simulate: guessed must have the trace's shape {tuple(used.shape)}, got {tuple(guessed.shape)}")
+    stats = [CacheStats(tokens=T) for _ in range(L)]
+    caches = [OrderedDict() for _ in range(L)]                    # expert -> None, oldest first
+    for t in range(T):
+        for layer in range(L):
+            cache, st = caches[layer], stats[layer]
+            need = used[t, layer].tolist()
+            ahead = set()
+            if guessed is not None and guessed[t, layer, 0] >= 0:
+                guess = guessed[t, layer].tolist()
+                for e in guess:
+                    if e not in cache:                            # evict by recency among the experts
+                        _insert(cache, e, slots, keep=set(guess)) # not guessed (the guess is all it knows)
+                        ahead.add(e)
+            for e in need:
+                if e in cache:
+                    if e in ahead:
+                        st.prefetched += 1
+                    else:
+                        st.hits += 1
+                    cache.move_to_end(e)
+                else:
+                    st.misses += 1
+                    _insert(cache, e, slots, keep=set(need))
+            st.wasted += len(ahead - set(need))
+    return stats
+
+
+def _insert(cache: OrderedDict, expert: int, slots: int, keep: set) -> None:
+    """Put ``expert`` in, evicting the least recently used expert not in ``keep``."""
+    while len(cache) >= slots:
+        victim = next(e for e in cache if e not in keep)
+        del cache[victim]
+    cache[expert] = None
+
+
+def token_time(stats: list[CacheStats], expert_bytes: float, link_gbs: float, compute_s_per_layer: float) -> float:
+    """Modelled seconds per token: every layer's compute, plus its on-demand copies in full, plus
+    the part of its prefetch copies (right and wrong guesses) that the previous layer's compute
+    does not cover."""
+    copy = expert_bytes / (link_gbs * 1e9)
+    total = 0.0
+    for st in stats:
+        ahead = (st.prefetched + st.wasted) / st.tokens * copy
+        total += compute_s_per_layer + st.misses / st.tokens * copy + max(0.0, ahead - compute_s_per_layer)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel: the grouped GEMM reading experts from the cache
+
+
+def cached_expert_gemm(a: torch.Tensor, cache_w: torch.Tensor, slot_of: torch.Tensor, offsets: torch.Tensor, *,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+    """C (M, N) = A[rows[r]] @ cache_w[slot_of[e(r)]] for the sorted rows r of each expert e.
+
+    cache_w (slots, K, N): the resident experts; slot_of (E,) int: expert e's slot, -1 if it is not
+    resident (then it must have no rows); offsets (E + 1,) as for :func:`kernels.moe.grouped_gemm.grouped_gemm`."""
+    E = offsets.numel() - 1
+    if slot_of.shape != (E,) or slot_of.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cached_expert_gemm: slot_of must be an integer (E,) = ({E},) table, got "
+                         f"{slot_of.dtype} {tuple(slot_of.shape)}")
+    loads = offsets[1:] - offsets[:-1]
+    missing = ((slot_of < 0) & (loads > 0)).nonzero().flatten().tolist()
+    if missing:
+        raise ValueError(f"cached_expert_gemm: experts {missing} have rows but no cache slot (copy them in first)")
+    if int(slot_of.max()) >= cache_w.shape[0]:
+        raise ValueError(f"cached_expert_gemm: slot_of names slot {int(slot_of.max())} of a {cache_w.shape[0]}-slot cache")
+    if cache_w.dim() != 3 or a.dim() != 2 or a.shape[1] != cache_w.shape[1] or a.dtype != cache_w.dtype:
+        raise ValueError(f"cached_expert_gemm: a (rows, K) and cache_w (slots, K, N) must agree in K and dtype, "
+                         f"got {tuple(a.shape)} {a.dtype} and {tuple(cache_w.shape)} {cache_w.dtype}")
+    M = int(offsets[-1])
+    if rows is None and a.shape[0] != M:
+        raise ValueError(f"cached_expert_gemm: offsets end at M={M} but a has {a.shape[0]} rows (pass rows=)")
+    return gg._forward(a, cache_w, rows, offsets, M, slot_of=slot_of.clamp(min=0).to(torch.int32))
+
+
+# The decode step of Mixtral 8x7B with an expert cache: one token, its 2 experts (gate+up, 4096 -> 2 x 14336)
+# read from a cache of 4 resident experts.
+DECODE_CASE = dict(tokens=1, top_k=2, n_experts=8, slots=4, K=4096, N=2 * 14336)
+
+
+def compile_jobs() -> dict:
+    """The cached expert GEMM at a Mixtral decode step (meta tensors, the sm90 tiles)."""
+    from kernels import inspect as ki
+
+    c = DECODE_CASE
+    M = c["tokens"] * c["top_k"]
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    a, out = torch.empty(c["tokens"], c["K"], **meta), torch.empty(M, c["N"], **meta)
+    cache_w = torch.empty(c["slots"], c["K"], c["N"], **meta)
+    rows = torch.empty(M, dtype=torch.int64, device="meta")
+    offsets = torch.empty(c["n_experts"] + 1, dtype=torch.int64, device="meta")
+    tiles = gg.TILES["sm90"]
+    schedule = tuple(torch.empty(gg.num_tile_slots(M, c["n_experts"], tiles[0]), dtype=torch.int32, device="meta")
+                     for _ in range(3))
+    _, args, kwargs = gg._forward_args(a, cache_w, rows, out, offsets, schedule, tiles, on_gpu=True)
+    return {"cached_expert_gemm Mixtral decode (1 token, 2 of 4 cached experts, 4096 -> 28672)":
+            ki.launch_job(gg._grouped_gemm_kernel, *args, **kwargs)}
