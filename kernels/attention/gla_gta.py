@@ -32,11 +32,12 @@ not the kernel's algebra checked against itself.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.mla import _launch_args, _mla_decode_kernel, gather_latent, gpu_tile, mla_decode
+from kernels.attention.mla import gather_latent, meta_job, mla_decode
 from kernels.attention.reference import attention_ref
 
 
@@ -158,24 +159,12 @@ GTA8 = Layout("gta", hq=32, d=128, hkv=8, rope=64)
 
 
 def compile_jobs() -> dict:
-    """GLA-2 and GTA-8 decode at batch 32, 8192 cached tokens, bf16, as gla_decode / gta_decode launch
-    on a GPU (one split: the batch fills the grid)."""
-    from kernels import inspect as ki
-
-    B, S, P = 32, 8192, 64
+    """GLA-2 and GTA-8 decode at batch 32, 8192 cached tokens, bf16, as gla_decode / gta_decode launch on a
+    132-SM H100 (tile and split count from kernels.attention.mla's rules)."""
+    B, S = 32, 8192
     jobs = {}
-    cases = (("GLA-2 decode, 128 heads, 2 latent heads of 256 + RoPE 64", GLA2.hq, 2, 256, 2, 64),
-             ("GTA-8 decode, 32 heads, 8 tied heads of 128, RoPE 64", GTA8.hq, 8, 128, 1, 64))
-    for label, hq, hc, dc, hr, dr in cases:
-        lat = torch.empty(B * S // P, P, hc, dc, device="meta", dtype=torch.bfloat16)
-        rope = torch.empty(B * S // P, P, hr, dr, device="meta", dtype=torch.bfloat16)
-        q_lat = torch.empty(B, hq, dc, device="meta", dtype=torch.bfloat16)
-        q_rope = torch.empty(B, hq, dr, device="meta", dtype=torch.bfloat16)
-        table = torch.empty(B, S // P, device="meta", dtype=torch.int32)
-        lens = torch.empty(B, device="meta", dtype=torch.int32)
-        out = torch.empty(B, hq, dc, device="meta", dtype=torch.bfloat16)
-        bh, bn, warps = gpu_tile(hq // hc, dc)
-        _, args, kwargs = _launch_args(q_lat, q_rope, lat, rope, table, lens, out, out, out, 128 ** -0.5,
-                                       num_splits=1, block_h=bh, block_n=bn, num_warps=warps)
-        jobs[f"{label}, B={B}, S={S}"] = ki.launch_job(_mla_decode_kernel, *args, **kwargs)
+    for label, hq, hc, dc, hr, dr in (("GLA-2 decode, 128 heads, 2 latent heads of 256 + RoPE 64", 128, 2, 256, 2, 64),
+                                      ("GTA-8 decode, 32 heads, 8 tied heads of 128, RoPE 64", 32, 8, 128, 1, 64)):
+        job, splits = meta_job(B, S, hq, hc, dc, hr, dr, 1 / math.sqrt(128 + 64 if hr == hc else 128))
+        jobs[f"{label}, B={B}, S={S}, {splits} split(s)"] = job
     return jobs

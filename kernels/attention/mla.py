@@ -431,31 +431,43 @@ def paged_latent_cache(latent: torch.Tensor, rope: torch.Tensor, page_size: int,
 # Compile jobs at DeepSeek-V3's size
 
 
-def compile_jobs() -> dict:
-    """DeepSeek-V3 decode (128 query heads on one latent head, Dc 512 + Dr 64, 64-position pages):
-    batch 64 at 8192 tokens (one split: 64 x 2 programs), and batch 1 at 32768 tokens with the split
-    count a 132-SM H100 gets from :func:`default_num_splits`' rule, bf16, as :func:`mla_decode` launches."""
+def meta_job(B: int, S: int, hq: int, hc: int, dc: int, hr: int, dr: int, sm_scale: float, *, page: int = 64,
+             sms: int = 132):
+    """The launch job of :func:`mla_decode` for B sequences of S cached tokens (bf16 meta tensors, one pool
+    of pages), with the tile of :func:`gpu_tile` and the split count :func:`default_num_splits` picks on
+    a GPU of ``sms`` SMs. Returns (job, number of splits)."""
     from kernels import inspect as ki
 
+    bh, bn, warps = gpu_tile(hq // hc, dc)
+    splits = choose_num_splits(B, hc * triton.cdiv(hq // hc, bh), S, sms)
+    pages = B * S // page
+    if hr == hc:                                            # FlashMLA's layout: one pool, two views
+        pool = torch.empty(pages, page, hc, dc + dr, device="meta", dtype=torch.bfloat16)
+        lat, rope = pool[..., :dc], pool[..., dc:]
+    else:                                                   # one RoPE key shared by all heads (GTA)
+        lat = torch.empty(pages, page, hc, dc, device="meta", dtype=torch.bfloat16)
+        rope = torch.empty(pages, page, hr, dr, device="meta", dtype=torch.bfloat16)
+    q_lat = torch.empty(B, hq, dc, device="meta", dtype=torch.bfloat16)
+    q_rope = torch.empty(B, hq, dr, device="meta", dtype=torch.bfloat16)
+    table = torch.empty(B, S // page, device="meta", dtype=torch.int32)
+    lens = torch.empty(B, device="meta", dtype=torch.int32)
+    if splits > 1:
+        out = torch.empty(B, hq, splits, dc, device="meta", dtype=torch.float32)
+        m = torch.empty(B, hq, splits, device="meta", dtype=torch.float32)
+    else:
+        out = m = torch.empty(B, hq, dc, device="meta", dtype=torch.bfloat16)
+    grid, args, kwargs = _launch_args(q_lat, q_rope, lat, rope, table, lens, out, m, m, sm_scale, num_splits=splits,
+                                      block_h=bh, block_n=bn, num_warps=warps)
+    return ki.launch_job(_mla_decode_kernel, *args, grid=grid, **kwargs), splits
+
+
+def compile_jobs() -> dict:
+    """DeepSeek-V3 decode (128 query heads on one latent head, Dc 512 + Dr 64, 64-position pages, the
+    cache in FlashMLA's one-pool layout), bf16, as :func:`mla_decode` launches it on a 132-SM H100:
+    batch 64 at 8192 cached tokens and batch 1 at 32768."""
     cfg = DEEPSEEK_V3
-    Dc, Dr, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim, 64
-    bh, bn, warps = GPU_TILE
     jobs = {}
     for B, S in ((64, 8192), (1, 32768)):
-        splits = choose_num_splits(B, triton.cdiv(cfg.n_heads, bh), S, 132)
-        pool = torch.empty(B * S // P, P, 1, Dc + Dr, device="meta", dtype=torch.bfloat16)
-        q_lat = torch.empty(B, cfg.n_heads, Dc, device="meta", dtype=torch.bfloat16)
-        q_rope = torch.empty(B, cfg.n_heads, Dr, device="meta", dtype=torch.bfloat16)
-        table = torch.empty(B, S // P, device="meta", dtype=torch.int32)
-        lens = torch.empty(B, device="meta", dtype=torch.int32)
-        if splits > 1:
-            out = torch.empty(B, cfg.n_heads, splits, Dc, device="meta", dtype=torch.float32)
-            m = torch.empty(B, cfg.n_heads, splits, device="meta", dtype=torch.float32)
-        else:
-            out = torch.empty(B, cfg.n_heads, Dc, device="meta", dtype=torch.bfloat16)
-            m = out
-        _, args, kwargs = _launch_args(q_lat, q_rope, pool[..., :Dc], pool[..., Dc:], table, lens, out, m, m,
-                                       cfg.sm_scale, num_splits=splits, block_h=bh, block_n=bn, num_warps=warps)
-        jobs[f"DeepSeek-V3 decode, 128 heads, 576/512, B={B}, S={S}, {splits} split(s)"] = ki.launch_job(
-            _mla_decode_kernel, *args, **kwargs)
+        job, splits = meta_job(B, S, cfg.n_heads, 1, cfg.kv_lora_rank, 1, cfg.qk_rope_head_dim, cfg.sm_scale)
+        jobs[f"DeepSeek-V3 decode, 128 heads, 576/512, B={B}, S={S}, {splits} split(s)"] = job
     return jobs

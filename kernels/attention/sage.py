@@ -344,7 +344,7 @@ def compile_jobs() -> dict:
     qs = torch.empty(B, Hq, N // bm, device="meta", dtype=torch.float32)
     ks = torch.empty(B, Hkv, N // bn, device="meta", dtype=torch.float32)
     vs = torch.empty(B, Hkv, D, device="meta", dtype=torch.float32)
-    _, args, kwargs = _launch_args(q8, qs, k8, ks, v8, vs, o, block_m=bm, block_n=bn, num_warps=warps)
+    grid, args, kwargs = _launch_args(q8, qs, k8, ks, v8, vs, o, block_m=bm, block_n=bn, num_warps=warps)
     kwargs["EXACT_ROUND"] = False
     return {"Llama-3.1-8B prefill, INT8 QK / FP8 PV, 32/8 heads, D=128, S=8192": ki.launch_job(
-        _sage_fwd_kernel, *args, **kwargs)}
+        _sage_fwd_kernel, *args, grid=grid, **kwargs)}
