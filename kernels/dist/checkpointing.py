@@ -245,14 +245,23 @@ def layer_flops(s: int, b: int, h: int, ffn: int | None = None) -> dict:
     return {"weights": weights, "scores": scores, "forward": weights + scores}
 
 
-def recompute_overhead(s: int, b: int, h: int, recompute: str) -> float:
-    """Extra FLOPs of a training step (forward + backward = 3 forwards) as a fraction: a whole
-    forward (1/3) for full recomputation, the score products (4 s^2 b h) for selective."""
+def recompute_flops(s: int, b: int, h: int, recompute: str, *, early_stop: bool = True) -> int:
+    """Matmul FLOPs that recomputation adds to one GPT-3 layer's training step. Full: one whole
+    forward. Selective: the score products Q K^T and P V (4 s^2 b h), or only Q K^T (2 s^2 b h) with
+    ``early_stop``: PyTorch's non-reentrant checkpoint stops replaying the region once the last tensor
+    the backward needs is rebuilt (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by
+    default), and P V's output is not one of them."""
     if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute_overhead: recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        raise ValueError(f"recompute_flops: recompute must be one of {RECOMPUTE}, got {recompute!r}")
     f = layer_flops(s, b, h)
-    extra = {"none": 0, "selective": f["scores"], "full": f["forward"]}[recompute]
-    return extra / (3 * f["forward"])
+    if recompute == "selective":
+        return f["scores"] // 2 if early_stop else f["scores"]
+    return f["forward"] if recompute == "full" else 0
+
+
+def recompute_overhead(s: int, b: int, h: int, recompute: str, *, early_stop: bool = True) -> float:
+    """:func:`recompute_flops` as a fraction of a step without it (forward + backward = 3 forwards)."""
+    return recompute_flops(s, b, h, recompute, early_stop=early_stop) / (3 * layer_flops(s, b, h)["forward"])
 
 
 def counted_flops(fn) -> int:

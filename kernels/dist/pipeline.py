@@ -380,7 +380,7 @@ def reference_training(batch: int, seq: int, steps: int, lr: float = 1e-3) -> di
         if grads is None:
             grads = {n: q.grad.clone() for n, q in model.named_parameters()}
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return {"losses": losses, "grads": grads, "params": {n: q.detach().clone() for n, q in model.named_parameters()}}
 
 
