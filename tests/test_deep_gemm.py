@@ -114,3 +114,13 @@ def test_gpu_tile_compiles_pipelined_without_spills(builds):
         assert b.async_copies["LDGSTS"] > 0 and b.metadata["num_stages"] == 3
     assert sm90.metadata["shared_bytes"] == 3 * 2 * 128 * 128        # 3 buffers of a 128x128 A and W tile, fp8
     assert all(job.attrs and job.grid for job in D.compile_jobs().values())
+
+
+def test_ue8m0_scales_are_powers_of_two_and_never_overflow_e4m3():
+    a, w, (aq, sa, wq, sw) = make(9, 300, 140, seed=7, outlier=True)
+    _, _, (aq8, sa8, wq8, sw8) = (a, w, D.quantize_blockwise(a, w, ue8m0=True))
+    for s in (sa8, sw8):
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)          # exponent only
+    assert aq8.float().abs().max() <= 448 and aq8.float().abs().amax(1).min() > 224   # amax lands in (224, 448]
+    assert (sa8 >= sa).all() and (sa8 < 2 * sa).all()                    # rounded up, by less than 2x
+    check(D.deep_gemm(aq8, sa8, wq8, sw8, out_dtype=torch.float32), (aq8, sa8, wq8, sw8))

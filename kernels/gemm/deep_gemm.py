@@ -28,21 +28,30 @@ GPU_TILE = (128, 128)
 CPU_TILE = (64, 64)
 
 
-def quantize_blockwise(a: torch.Tensor, w: torch.Tensor):
-    """E4M3 codes and scales: A (M, K) per 1x128 slice, W (N, K) per 128x128 block (amax -> 448).
-    Returns (a_q, scale_a (M, K/128), w_q, scale_w (N/128, K/128)), quantized in PyTorch."""
+def block_scale(amax: torch.Tensor, *, ue8m0: bool = False) -> torch.Tensor:
+    """The scale that maps a block's amax to E4M3's 448; 1 for an all-zero block. ``ue8m0=True``
+    rounds it up to a power of two, the only scales UE8M0 (8 exponent bits, no mantissa) can hold,
+    as DeepGEMM's sm100 kernels take them: amax / scale then lies in (224, 448], never above 448."""
+    scale = torch.where(amax > 0, amax / E4M3.max, torch.ones_like(amax))
+    return torch.exp2(torch.ceil(torch.log2(scale))) if ue8m0 else scale
+
+
+def quantize_blockwise(a: torch.Tensor, w: torch.Tensor, *, ue8m0: bool = False):
+    """E4M3 codes and scales: A (M, K) per 1x128 slice, W (N, K) per 128x128 block (amax -> 448, or
+    the power of two just above with ``ue8m0``). Returns (a_q, scale_a (M, K/128), w_q,
+    scale_w (N/128, K/128)), quantized in PyTorch."""
     M, K = a.shape
     N = w.shape[0]
     kb, nb = -(-K // GROUP), -(-N // GROUP)
     a_pad = torch.zeros(M, kb * GROUP, dtype=torch.float32, device=a.device)
     a_pad[:, :K] = a.float()
     amax_a = a_pad.view(M, kb, GROUP).abs().amax(-1)                               # (M, kb)
-    scale_a = torch.where(amax_a > 0, amax_a / E4M3.max, torch.ones_like(amax_a))
+    scale_a = block_scale(amax_a, ue8m0=ue8m0)
     a_q = (a_pad.view(M, kb, GROUP) / scale_a[..., None]).view(M, -1)[:, :K].to(torch.float8_e4m3fn)
     w_pad = torch.zeros(nb * GROUP, kb * GROUP, dtype=torch.float32, device=w.device)
     w_pad[:N, :K] = w.float()
     amax_w = w_pad.view(nb, GROUP, kb, GROUP).abs().amax(dim=(1, 3))                # (nb, kb)
-    scale_w = torch.where(amax_w > 0, amax_w / E4M3.max, torch.ones_like(amax_w))
+    scale_w = block_scale(amax_w, ue8m0=ue8m0)
     w_q = (w_pad.view(nb, GROUP, kb, GROUP) / scale_w[:, None, :, None]).view(nb * GROUP, -1)[:N, :K]
     return a_q, scale_a, w_q.to(torch.float8_e4m3fn), scale_w
 
