@@ -131,3 +131,32 @@ def test_clock_and_on_chip_bandwidths_agree_with_the_peaks():
     assert 1.80e3 < hw.boost_clock_mhz("H100") < 1.85e3      # implied by 989.4 TFLOPS over 132 SMs
     with pytest.raises(KeyError, match="no documented clock"):
         hw.boost_clock_mhz("B200")
+
+
+def test_warp_sectors_model():
+    assert hw.warp_sectors([4 * t for t in range(32)], 4) == 4           # 128 contiguous bytes: 4 sectors
+    assert hw.warp_sectors([4 * t + 16 for t in range(32)], 4) == 5      # misaligned by 16 bytes: one more
+    assert hw.warp_sectors([128 * t for t in range(32)], 4) == 32        # one sector per thread
+    assert hw.warp_sectors([0] * 32, 4) == 1                             # every thread the same word
+    with pytest.raises(ValueError, match="32 addresses"):
+        hw.warp_sectors([0] * 16, 4)
+    with pytest.raises(ValueError, match="not aligned"):
+        hw.warp_sectors([2] * 32, 4)
+
+
+def test_smem_bank_ways_model():
+    assert hw.smem_bank_ways([4 * t for t in range(32)]) == 1            # a row of a 32-wide fp32 tile
+    assert hw.smem_bank_ways([4 * 32 * t for t in range(32)]) == 32      # a column: every word in bank 0
+    assert hw.smem_bank_ways([4 * 33 * t for t in range(32)]) == 1       # padded to 33 columns
+    assert hw.smem_bank_ways([4 * 2 * t for t in range(32)]) == 2        # stride 2 words: 2-way
+    assert hw.smem_bank_ways([0] * 32) == 1                              # broadcast
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        hw.smem_bank_ways([2] * 32)
+
+
+def test_published_measurements_are_ordered_levels():
+    lat = hw.LATENCY_CYCLES_H100_PCIE
+    assert lat["L1 hit"] < lat["L2 hit, near partition"] < lat["L2 hit, far partition"] < lat["HBM"]
+    sizes = [kb for kb, _ in hw.POINTER_CHASE_H100_PCIE]
+    assert sizes == sorted(sizes)
+    assert [bw for _, bw in hw.STREAM_READ_H200] == sorted(bw for _, bw in hw.STREAM_READ_H200)

@@ -85,3 +85,44 @@ def test_roofline_counts():
     # on the H100 in fp16: softmax is memory-bound, a 4096^3 matmul compute-bound
     h = hw.gpu("H100")
     assert rl.intensity(rl.softmax_counts(4096, 4096)) < hw.ridge_point(h, "fp16") < rl.intensity((f, b))
+
+
+# ---- the strided copy: coalescing ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,stride", [(1, 1), (3001, 1), (3001, 16), (100, 7), (17, 32)])
+def test_strided_copy_matches_reference(n, stride):
+    x = nan_canary(torch.randn(n).to(DEV), pad=64)
+    y = copy_mod.strided_copy(x, stride, block=256)
+    assert y.shape == (-(-n // stride),) and not torch.isnan(y).any()
+    assert torch.equal(y, copy_mod.strided_copy_ref(x, stride))
+
+
+def test_strided_copy_bad_inputs():
+    with pytest.raises(ValueError, match="stride must be an int >= 1"):
+        copy_mod.strided_copy(torch.randn(8).to(DEV), 0)
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        copy_mod.strided_copy(torch.randn(4, 4).to(DEV), 2)
+
+
+def test_a_stride_ignored_is_caught():
+    """Reading x[i] instead of x[i * stride] (a launch that passed stride 1) gives another tensor."""
+    x = torch.randn(320).to(DEV)
+    with pytest.raises(MismatchError):
+        assert_close(copy_mod.strided_copy(x[:20].contiguous(), 1), copy_mod.strided_copy_ref(x, 16))
+
+
+def test_sass_shows_the_coalesced_and_the_strided_loads():
+    """The launch specialises stride 1 to a constant: 16-byte vector loads (LDG.E.128); stride 16
+    stays a runtime value: one 2-byte load per element (LDG.E.U16), each in its own sector."""
+    from kernels import inspect as ki
+    jobs = copy_mod.compile_jobs()
+    labels = ["strided copy of 2**29 fp16, stride 1", "strided copy of 2**29 fp16, stride 16"]
+    builds = ki.compile_triton_many([jobs[k] for k in labels], archs=("sm90",))
+    unit, strided = (ki.instructions(b["sm90"].sass, "sass") for b in builds)
+    assert "stride: =1" in jobs[labels[0]].specialization()
+    assert unit["LDG.E.128"] >= 1 and not any(op.startswith("LDG.E.U16") for op in unit)
+    assert strided["LDG.E.U16"] >= 1 and not any(op.startswith("LDG.E.128") for op in strided)
+    # per warp instruction: 32 threads x 16 contiguous bytes = 16 sectors; 32 threads x 2 bytes, 32 bytes apart = 32 sectors
+    assert hw.warp_sectors([16 * t for t in range(32)], 16) == 16
+    assert hw.warp_sectors([2 * 16 * (8 * t) for t in range(32)], 2) == 32

@@ -341,3 +341,74 @@ def smem_bandwidth_gbs(g: GPU | str) -> float:
 # "Thread Block Clusters" (nvidia2025cudaguide).
 MAX_CLUSTER_SIZE_PORTABLE = 8
 MAX_CLUSTER_SIZE_NONPORTABLE = {"sm90": 16}
+
+
+# ----------------------------------------------------------------------------------------------
+# How a warp's addresses become memory transactions (the memory-hierarchy chapter)
+
+# Global memory is moved in 32-byte sectors; an L1/L2 cache line is 128 bytes = 4 sectors, and a
+# miss fetches only the sectors the warp touched. The concurrent accesses of a warp's 32 threads
+# coalesce into as many sector transactions as their addresses span (CUDA C++ Programming Guide,
+# "Device Memory Accesses" and the global-memory sections per compute capability; nvidia2025cudaguide).
+SECTOR_BYTES = 32
+CACHE_LINE_BYTES = 128
+
+
+def warp_sectors(byte_addresses, access_bytes: int) -> int:
+    """Distinct 32-byte sectors one warp touches when each of its threads reads ``access_bytes``
+    starting at its entry of ``byte_addresses`` (32 addresses, one per thread)."""
+    addrs = [int(a) for a in byte_addresses]
+    if len(addrs) != WARP_SIZE:
+        raise ValueError(f"warp_sectors: expected {WARP_SIZE} addresses (one per thread), got {len(addrs)}")
+    if access_bytes not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warp_sectors: access_bytes must be 1, 2, 4, 8 or 16 (a load's width), got {access_bytes}")
+    sectors = set()
+    for a in addrs:
+        if a % access_bytes:
+            raise ValueError(f"warp_sectors: address {a} is not aligned to its {access_bytes}-byte access")
+        sectors.update(range(a // SECTOR_BYTES, (a + access_bytes - 1) // SECTOR_BYTES + 1))
+    return len(sectors)
+
+
+def smem_bank_ways(byte_addresses) -> int:
+    """The bank-conflict degree of one warp's 4-byte shared-memory access: the largest number of
+    DISTINCT 4-byte words any one of the 32 banks must deliver (1 = conflict-free; threads reading
+    the same word share one broadcast). Bank of a word = (byte address / 4) mod 32 (CUDA C++
+    Programming Guide, "Shared Memory", compute capability 5.x and later; nvidia2025cudaguide).
+    Wider accesses are split by the hardware into phases; the ldmatrix and wgmma chapters treat them."""
+    addrs = [int(a) for a in byte_addresses]
+    if len(addrs) != WARP_SIZE:
+        raise ValueError(f"smem_bank_ways: expected {WARP_SIZE} addresses (one per thread), got {len(addrs)}")
+    if any(a % SMEM_BANK_BYTES for a in addrs):
+        raise ValueError("smem_bank_ways: every address must be 4-byte aligned (a 32-bit access)")
+    words_per_bank: dict[int, set[int]] = {}
+    for a in addrs:
+        w = a // SMEM_BANK_BYTES
+        words_per_bank.setdefault(w % SMEM_BANKS, set()).add(w)
+    return max(len(words) for words in words_per_bank.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Published measurements (not datasheet numbers): te42kyfo/gpu-benches, D. Ernst's microbenchmarks
+# (te42kyfo2024gpubenches), which a reader can rerun.
+
+# gpu-latency (pointer chasing by one warp, every cache line touched once per pass) on an H100 PCIe
+# at 1755 MHz, gpu-latency/h100_pcie.txt @a7dc559c: (working set in kB, cycles per load). The steps
+# are the L1 (up to the 256 KiB unified L1/shared SRAM), the near L2 partition, the far one
+# (H100's 50 MB L2 is two partitions of 25 MB), and HBM.
+POINTER_CHASE_H100_PCIE = (
+    (1, 34.2), (16, 34.1), (64, 34.2), (216, 34.8), (239, 134.2), (264, 205.8), (354, 264.0),
+    (1029, 265.6), (10230, 265.5), (19946, 265.5), (26551, 319.6), (35343, 475.4), (47045, 466.8),
+    (62620, 626.5), (125026, 649.9), (340388, 652.4), (1529075, 658.4),
+)
+POINTER_CHASE_CLOCK_MHZ = 1755
+# the plateaus of that curve, in cycles
+LATENCY_CYCLES_H100_PCIE = {"L1 hit": 34, "L2 hit, near partition": 265, "L2 hit, far partition": 475, "HBM": 650}
+
+# gpu-stream "read" kernel (each thread loads one 8-byte double, two blocks per SM, the block size
+# swept) on an H200 (132 SMs), gpu-stream/h200.txt @fd7091fb: (threads per SM, GB/s).
+STREAM_READ_H200 = (
+    (64, 123), (256, 485), (512, 935), (768, 1314), (1024, 1707), (1280, 1996), (1536, 2297),
+    (1792, 2539), (2048, 2756),
+)
+STREAM_BYTES_PER_THREAD = 8

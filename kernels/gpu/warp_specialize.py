@@ -61,16 +61,43 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, *, block=(64, 128, 64), stages: 
             raise ValueError(f"{name}: rows must be contiguous and their stride a multiple of 16 bytes (a tensor map rule)")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: inner dimensions differ")
+    c = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    grid, args, kwargs = _launch_args(a, b, c, block=block, stages=stages, specialize=specialize, padding=padding)
+    _ws_matmul_kernel[grid](*args, **kwargs)
+    return c
+
+
+def _launch_args(a, b, c, *, block=(64, 128, 64), stages: int = 3, specialize: bool = True, padding: str = "zero"):
+    """(grid, args, kwargs) of one launch of :func:`_ws_matmul_kernel` (host tensor descriptors over
+    a and b), shared by :func:`ws_matmul` and :func:`compile_jobs` so the AOT build is the launch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     bm, bn, bk = block
     M, K = a.shape
     N = b.shape[1]
-    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
     a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk], padding=padding)
     b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn], padding=padding)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _ws_matmul_kernel[grid](a_desc, b_desc, c, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-                            SPECIALIZE=specialize)
-    return c
+    return grid, (a_desc, b_desc, c, M, N, K), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
+                                                    SPECIALIZE=specialize, num_warps=4)
+
+
+def launch_job(M: int, K: int, N: int, *, specialize: bool = True, block=(64, 128, 64), stages: int = 3):
+    """The AOT job of :func:`ws_matmul` at (M, K) @ (K, N) on meta tensors."""
+    from kernels import inspect as ki
+
+    a = torch.empty(M, K, dtype=torch.float16, device="meta")
+    b = torch.empty(K, N, dtype=torch.float16, device="meta")
+    c = torch.empty(M, N, dtype=torch.float32, device="meta")
+    grid, args, kwargs = _launch_args(a, b, c, block=block, stages=stages, specialize=specialize)
+    return ki.launch_job(_ws_matmul_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """Llama-3-8B's gate/up projection at a 4096-token prefill (4096 x 4096 -> 14336), warp-specialized
+    and plain (the same loop without ``warp_specialize``)."""
+    return {"Llama-3-8B up proj, 4096 tokens: warp-specialized, 64x128x64": launch_job(4096, 4096, 14336),
+            "Llama-3-8B up proj, 4096 tokens: plain loop, 64x128x64": launch_job(4096, 4096, 14336, specialize=False)}
 
 
 @dataclass(frozen=True)
