@@ -97,6 +97,8 @@ def ep_moe_forward(layer, x: torch.Tensor, group=None, ledger=None, broken=None)
     expert_of = ids.reshape(-1)[order]                                        # (M,) expert of each sorted row
     dest = expert_rank(expert_of, E, p)
     send_counts, recv_counts = _counts(dest, p, group)
+    if ledger is not None:
+        ledger["rows computed here"] = ledger.get("rows computed here", 0) + sum(recv_counts)
     rows = _AllToAllRows.apply(x[order // k], send_counts, recv_counts, group, ledger, "dispatch")   # (M_in, C)
     got_expert = torch.empty(sum(recv_counts), dtype=torch.long)
     dist.all_to_all_single(got_expert, expert_of, output_split_sizes=recv_counts,

@@ -66,7 +66,8 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()                                 # (T/t, B, C): sequence leading
     out = torch.empty(t * xs.numel(), dtype=x.dtype)
     dist.all_gather_single(out, xs.flatten(), group=group)
-    return out.view(t * xs.shape[0], *xs.shape[1:]).transpose(0, 1)
+    # contiguous: a transposed view would make each of W_q, W_k, W_v save its own contiguous copy
+    return out.view(t * xs.shape[0], *xs.shape[1:]).transpose(0, 1).contiguous()
 
 
 def _scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -75,7 +76,7 @@ def _scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()                                 # (T, B, C)
     out = torch.empty(xs.numel() // t, dtype=x.dtype)
     dist.reduce_scatter_single(out, xs.flatten(), group=group)
-    return out.view(xs.shape[0] // t, *xs.shape[1:]).transpose(0, 1)
+    return out.view(xs.shape[0] // t, *xs.shape[1:]).transpose(0, 1).contiguous()
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -339,15 +340,28 @@ def _ulysses(model, idx, targets, broken=None) -> dict:
     return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads, "ledger": ledger}
 
 
+def saved_per_rank(model, idx) -> dict:
+    """Bytes autograd saves on this rank for one forward of the whole model: tensor parallel
+    (:class:`kernels.dist.tensor_parallel.TPGPT`) against TP + sequence parallel (:class:`SPGPT`)."""
+    from kernels.dist.checkpointing import saved_bytes
+
+    t, r = dist.get_world_size(), dist.get_rank()
+    tp_model, sp_model = tp.TPGPT(model), SPGPT(model)
+    return {"tp": saved_bytes(lambda: tp_model(idx), tp_model.parameters())[0],
+            "sp": saved_bytes(lambda: sp_model(idx.chunk(t, dim=1)[r]), sp_model.parameters())[0]}
+
+
 def sp_worker(rank: int, world: int, batch: int, seq: int) -> dict:
     """Megatron SP (t = world) and Ulysses (p = world) on the trained tiny GPT in float64, one batch
-    of Shakespeare, then each broken variant. Logits are this rank's contiguous token shard; losses
-    this rank's share of the batch mean; gradients summed, in the single-process names."""
+    of Shakespeare, then each broken variant, and the bytes each rank saves for the backward under
+    TP and under TP + SP. Logits are this rank's contiguous token shard; losses this rank's share
+    of the batch mean; gradients summed, in the single-process names."""
     from kernels.model.gpt import load_pretrained
 
     idx, targets = _batch(batch, seq)
     model = load_pretrained().double().train()
-    out = {"megatron": _megatron(model, idx, targets), "ulysses": _ulysses(model, idx, targets)}
+    out = {"megatron": _megatron(model, idx, targets), "ulysses": _ulysses(model, idx, targets),
+           "saved": saved_per_rank(model, idx)}
     for b in BROKEN_MEGATRON:
         out[b] = _megatron(model, idx, targets, broken=b)
     for b in BROKEN_ULYSSES:
