@@ -73,6 +73,13 @@ def test_kernel_matches_dequantize_then_matmul(M, N, K, group):
     assert_close(got, nf4.nf4_matmul_ref(x, p, s, group), dtype=torch.float32)
 
 
+def test_lookup_from_memory_gives_the_same_product():
+    x, p, s = case(9, 70, 256, 64, seed=6)
+    assert torch.equal(nf4.nf4_matmul(x, p, s, 64, lookup="memory"), nf4.nf4_matmul(x, p, s, 64))
+    with pytest.raises(ValueError, match="lookup must be one of"):
+        nf4.nf4_matmul(x, p, s, 64, lookup="shared")
+
+
 def test_kernel_fp16_and_explicit_split():
     x, p, s = case(3, 64, 512, 64, seed=2, dtype=torch.float16)
     want = nf4.nf4_matmul_ref(x, p, s, 64)

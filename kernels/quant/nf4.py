@@ -42,6 +42,7 @@ from kernels.quant import w4a16
 from kernels.quant.intq import pack_int4, unpack_int4
 
 OFFSET = 0.9677083
+LOOKUPS = ("registers", "memory")
 # bitsandbytes' NF4 table, bitsandbytes/functional.py get_4bit_type("nf4") at commit 95f9af3
 BNB_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -151,7 +152,7 @@ def _nf4_matmul_kernel(x_ptr, wp_ptr, s_ptr, t_ptr, y_ptr, M, N, steps_per_split
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
                        stride_ys, stride_ym, stride_yn,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ONE_SCALE: tl.constexpr):
+                       ONE_SCALE: tl.constexpr, LOOKUP: tl.constexpr = "registers"):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BM,)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BN,)
@@ -168,7 +169,10 @@ def _nf4_matmul_kernel(x_ptr, wp_ptr, s_ptr, t_ptr, y_ptr, M, N, steps_per_split
         x = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)   # (BM, BK)
         p = tl.load(w_rows + (k0 // 2 + offs_kb)[None, :] * stride_wk, mask=n_ok[:, None], other=0)  # (BN, BK/2)
         q = tl.reshape(tl.join((p & 0xF).to(tl.int32), (p >> 4).to(tl.int32)), (BLOCK_N, BLOCK_K))  # k order
-        t = tl.gather(table, q, 1)                                     # T[q]: the lookup, (BN, BK) fp32
+        if LOOKUP == "registers":
+            t = tl.gather(table, q, 1)                                 # T[q]: the lookup, (BN, BK) fp32
+        else:
+            t = tl.load(t_ptr + q)                                     # the same lookup from memory
         g = 0 if ONE_SCALE else k0 // GROUP                            # broken variant: group 0's scale always
         s = tl.load(s_rows + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)   # absmax (BN,)
         w = (t * s[:, None]).to(x.dtype)                               # W = absmax * T[q], (BN, BK)
@@ -208,7 +212,7 @@ def _output(x, N: int, split_k: int) -> torch.Tensor:
 
 
 def _launch_args(x, w_packed, absmax, table, y, group_size: int, *, tile: w4a16.Tile, split_k: int,
-                 one_scale: bool = False):
+                 one_scale: bool = False, lookup: str = "registers"):
     """(grid, args, kwargs) of one launch of :func:`_nf4_matmul_kernel`, shared by :func:`nf4_matmul`
     and :func:`compile_jobs` (on meta tensors), so the AOT build is the launch."""
     M, K = x.shape
@@ -220,19 +224,23 @@ def _launch_args(x, w_packed, absmax, table, y, group_size: int, *, tile: w4a16.
     args = (x, w_packed, absmax, table, y, M, N, K // bk // split_k,
             x.stride(0), x.stride(1), w_packed.stride(0), w_packed.stride(1), absmax.stride(0), absmax.stride(1),
             ys, ym, yn)
+    if lookup not in LOOKUPS:
+        raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
     kwargs = dict(GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk, ONE_SCALE=one_scale,
-                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+                  LOOKUP=lookup, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return grid, args, kwargs
 
 
 def nf4_matmul(x, w_packed, absmax, group_size: int = 64, *, table: torch.Tensor | None = None,
-               tile: w4a16.Tile | None = None, split_k: int | None = None, _one_scale: bool = False):
+               tile: w4a16.Tile | None = None, split_k: int | None = None, lookup: str = "registers",
+               _one_scale: bool = False):
     """y (M, N) = x @ W^T with W_nk = absmax_{n, k // g} * table[q_nk] looked up in the kernel.
 
     ``w_packed``: (N, K / 2) uint8 from :func:`kernels.quant.intq.pack_int4` (low nibble = even k);
     ``absmax``: (N, K / g); ``table``: (16,) fp32, default :data:`NF4`. Tiles and split-K follow
     :mod:`kernels.quant.w4a16` (:func:`~kernels.quant.w4a16.tile_for`, :func:`~kernels.quant.w4a16.choose_split_k`).
-    ``_one_scale`` is the broken variant: every K step uses the first group's scale."""
+    ``lookup``: "registers" (the table held in registers, ``tl.gather``) or "memory" (``tl.load`` of the
+    table entry per weight). ``_one_scale`` is the broken variant: every K step uses the first group's scale."""
     table = NF4.to(x.device) if table is None else table
     _check(x, w_packed, absmax, group_size, table)
     M, K = x.shape
@@ -245,7 +253,7 @@ def nf4_matmul(x, w_packed, absmax, group_size: int = 64, *, table: torch.Tensor
         raise ValueError(f"split_k must be a positive int dividing the {steps} K steps, got {split_k!r}")
     y = _output(x, N, split_k)
     grid, args, kwargs = _launch_args(x, w_packed, absmax, table, y, group_size, tile=tile, split_k=split_k,
-                                      one_scale=_one_scale)
+                                      one_scale=_one_scale, lookup=lookup)
     _nf4_matmul_kernel[grid](*args, **kwargs)
     return y if split_k == 1 else y.sum(0).to(x.dtype)                # the split's partials, in a fixed order
 
@@ -268,7 +276,8 @@ REAL_SHAPES = (
 )
 
 
-def launch_job(M: int, N: int, K: int, group_size: int = 64, *, num_sms: int = w4a16.H100_SMS):
+def launch_job(M: int, N: int, K: int, group_size: int = 64, *, num_sms: int = w4a16.H100_SMS,
+               lookup: str = "registers"):
     """The :class:`kernels.inspect.TritonJob` of :func:`nf4_matmul`'s launch at (M, N, K) on meta tensors."""
     from kernels import inspect as ki
 
@@ -280,7 +289,8 @@ def launch_job(M: int, N: int, K: int, group_size: int = 64, *, num_sms: int = w
     absmax = torch.empty(N, K // group_size, dtype=torch.float32, **meta)
     table = torch.empty(16, dtype=torch.float32, **meta)
     y = _output(x, N, split_k)
-    grid, args, kwargs = _launch_args(x, w_packed, absmax, table, y, group_size, tile=tile, split_k=split_k)
+    grid, args, kwargs = _launch_args(x, w_packed, absmax, table, y, group_size, tile=tile, split_k=split_k,
+                                      lookup=lookup)
     return ki.launch_job(_nf4_matmul_kernel, *args, grid=grid, **kwargs)
 
 
