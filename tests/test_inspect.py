@@ -1,7 +1,12 @@
-"""kernels.inspect: AOT compilation for four architectures, nvcc, and reading the instructions."""
+"""kernels.inspect: AOT compilation for four architectures, nvcc, and reading the instructions.
+
+The builds are jobs derived from a launch (``launch_job`` on meta tensors at Llama-3-70B's up
+projection, as ``kernels.gemm.matmul.matmul`` launches it); the hand-written signature path
+(``compile_triton``) stays supported and is tested below for its errors and for what it loses."""
 import pytest
 
 from kernels import inspect as ki
+from kernels.gemm import matmul as mm
 from kernels.gemm.matmul import _matmul_kernel
 
 MATMUL_SIGNATURE = {
@@ -13,7 +18,8 @@ TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
 
 @pytest.fixture(scope="module")
 def matmul_builds():
-    return ki.compile_triton_archs(_matmul_kernel, MATMUL_SIGNATURE, constexprs=TILES)
+    job = mm.launch_job(4096, 8192, 28672, block=(TILES["BLOCK_M"], TILES["BLOCK_N"], TILES["BLOCK_K"]))
+    return ki.compile_triton_many([job], archs=("sm80", "sm90", "sm100", "sm120"))[0]
 
 
 @pytest.mark.parametrize("arch, ptx_family, sass_family", [
@@ -37,6 +43,14 @@ def test_fp16_dot_lowers_to_each_generations_tensor_core_instruction(matmul_buil
 def test_tensor_memory_is_reported_on_sm100_only(matmul_builds):
     assert matmul_builds["sm100"].metadata["tmem_columns"] > 0
     assert matmul_builds["sm90"].metadata["tmem_columns"] == 0
+
+
+def test_a_hand_written_signature_still_compiles_but_loses_the_launchs_pipeline(matmul_builds):
+    """Every integer a plain i32 (no %16, no folded unit stride): the backward-compatible path. The
+    compiler can no longer prove 16-byte rows, so the cp.async pipeline of the launch's build is gone."""
+    hand = ki.compile_triton(_matmul_kernel, MATMUL_SIGNATURE, arch="sm90", constexprs=TILES)
+    assert hand.families("sass")["HGMMA"] > 0
+    assert hand.async_copies["LDGSTS"] == 0 < matmul_builds["sm90"].async_copies["LDGSTS"]
 
 
 def test_saxpy_sass_shows_what_its_ptx_asked_for():
