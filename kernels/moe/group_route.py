@@ -230,9 +230,9 @@ def launch_job(name: str, num_tokens: int, dtype: torch.dtype = torch.bfloat16):
     bias = torch.empty(E, dtype=torch.float32, device="meta") if score == "sigmoid" else None
     weights = torch.empty(num_tokens, k, dtype=torch.float32, device="meta")
     ids = torch.empty(num_tokens, k, dtype=torch.int64, device="meta")
-    _, args, kwargs = _launch_args(logits, bias, weights, ids, k, G, M, score, group_score,
-                                   normalize or score == "sigmoid", scale)
-    return ki.launch_job(_group_route_kernel, *args, **kwargs)
+    grid, args, kwargs = _launch_args(logits, bias, weights, ids, k, G, M, score, group_score,
+                                      normalize or score == "sigmoid", scale)
+    return ki.launch_job(_group_route_kernel, *args, grid=grid, **kwargs)
 
 
 def compile_jobs() -> dict:

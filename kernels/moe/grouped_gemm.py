@@ -350,10 +350,10 @@ def launch_jobs(label: str, num_tokens: int, top_k: int, *, arch: str = "sm90",
     tiles = TILES[arch]
     slots = num_tile_slots(M, E, tiles[0])
     schedule = tuple(torch.empty(slots, dtype=torch.int32, device="meta") for _ in range(3))
-    _, fwd_args, fwd_kwargs = _forward_args(a, w, rows, c, offsets, schedule, tiles, on_gpu=True)
-    _, wg_args, wg_kwargs = _wgrad_args(a, rows, c, w, offsets, WGRAD_TILES[arch], on_gpu=True)
-    return {"forward": ki.launch_job(_grouped_gemm_kernel, *fwd_args, target=arch, **fwd_kwargs),
-            "wgrad": ki.launch_job(_grouped_wgrad_kernel, *wg_args, target=arch, **wg_kwargs)}
+    fwd_grid, fwd_args, fwd_kwargs = _forward_args(a, w, rows, c, offsets, schedule, tiles, on_gpu=True)
+    wg_grid, wg_args, wg_kwargs = _wgrad_args(a, rows, c, w, offsets, WGRAD_TILES[arch], on_gpu=True)
+    return {"forward": ki.launch_job(_grouped_gemm_kernel, *fwd_args, target=arch, grid=fwd_grid, **fwd_kwargs),
+            "wgrad": ki.launch_job(_grouped_wgrad_kernel, *wg_args, target=arch, grid=wg_grid, **wg_kwargs)}
 
 
 def compile_jobs() -> dict:

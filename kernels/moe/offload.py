@@ -191,6 +191,6 @@ def compile_jobs() -> dict:
     tiles = gg.TILES["sm90"]
     schedule = tuple(torch.empty(gg.num_tile_slots(M, c["n_experts"], tiles[0]), dtype=torch.int32, device="meta")
                      for _ in range(3))
-    _, args, kwargs = gg._forward_args(a, cache_w, rows, out, offsets, schedule, tiles, on_gpu=True)
+    grid, args, kwargs = gg._forward_args(a, cache_w, rows, out, offsets, schedule, tiles, on_gpu=True)
     return {"cached_expert_gemm Mixtral decode (1 token, 2 of 4 cached experts, 4096 -> 28672)":
-            ki.launch_job(gg._grouped_gemm_kernel, *args, **kwargs)}
+            ki.launch_job(gg._grouped_gemm_kernel, *args, grid=grid, **kwargs)}

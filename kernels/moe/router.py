@@ -173,8 +173,10 @@ MAX_EXPERTS = 512   # one row of logits lives in registers: BLOCK_T * BLOCK_E fp
 
 
 def route_block_t(num_experts: int) -> int:
-    """Tokens per program: 2048 logits a program (16 per thread at 4 warps), at least one token."""
-    return max(1, 2048 // triton.next_power_of_2(num_experts))
+    """Tokens per program: at most 2048 logits a program (16 per thread at 4 warps) and at most 32
+    tokens, so that a 4096-token batch starts at least 128 programs (an H100 has 132 SMs) even
+    with Mixtral's 8 experts; at least one token."""
+    return max(1, min(32, 2048 // triton.next_power_of_2(num_experts)))
 
 
 def topk_route(logits: torch.Tensor, k: int, *, score: str = "softmax", normalize: bool = True,
@@ -235,8 +237,8 @@ def launch_job(name: str, num_tokens: int, dtype: torch.dtype = torch.bfloat16):
     bias = torch.empty(E, dtype=torch.float32, device="meta") if score == "sigmoid" else None
     weights = torch.empty(num_tokens, k, dtype=torch.float32, device="meta")
     ids = torch.empty(num_tokens, k, dtype=torch.int64, device="meta")
-    _, args, kwargs = _launch_args(logits, bias, weights, ids, k, score, True, route_block_t(E), route_scale=scale)
-    return ki.launch_job(_topk_route_kernel, *args, **kwargs)
+    grid, args, kwargs = _launch_args(logits, bias, weights, ids, k, score, True, route_block_t(E), route_scale=scale)
+    return ki.launch_job(_topk_route_kernel, *args, grid=grid, **kwargs)
 
 
 def compile_jobs() -> dict:

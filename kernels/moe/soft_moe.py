@@ -182,8 +182,8 @@ def launch_jobs(label: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     jobs = {}
     for kind, (scores, values, out) in {"dispatch": (logits.transpose(1, 2), x, torch.empty(B, s, d, **meta)),
                                         "combine": (logits, slots, torch.empty(B, m, d, **meta))}.items():
-        _, args, kwargs = _launch_args(scores, values, out, GPU_TILE, on_gpu=True)
-        jobs[kind] = ki.launch_job(_soft_mix_kernel, *args, **kwargs)
+        grid, args, kwargs = _launch_args(scores, values, out, GPU_TILE, on_gpu=True)
+        jobs[kind] = ki.launch_job(_soft_mix_kernel, *args, grid=grid, **kwargs)
     return jobs
 
 
