@@ -43,3 +43,14 @@ def test_repeat_is_exact_and_pooling_repeats_back_is_exact():
         mqa = pool_gpt_kv_heads(model, 1)
         assert mqa.config.n_kv_head == 1
         assert (mqa(x) - base).abs().max() > 1e-4           # pooling distinct heads changes the function
+
+
+def test_kv_heads_per_gpu_under_tensor_parallelism():
+    from kernels.attention.gqa import kv_heads_per_gpu
+    assert kv_heads_per_gpu(8, 1) == (8, 1) and kv_heads_per_gpu(8, 4) == (2, 1) and kv_heads_per_gpu(8, 8) == (1, 1)
+    assert kv_heads_per_gpu(8, 16) == (1, 2)          # Llama-3-70B on 16 GPUs: each K/V head on two of them
+    assert kv_heads_per_gpu(1, 4) == (1, 4)           # MQA: the one K/V head on every GPU
+    with pytest.raises(ValueError, match="multiple"):
+        kv_heads_per_gpu(8, 3)
+    with pytest.raises(ValueError, match="multiple"):
+        kv_heads_per_gpu(4, 6)

@@ -42,3 +42,21 @@ def mean_pool_kv_heads(weight: torch.Tensor, n_kv_head: int, new_kv_head: int) -
     D, C = weight.shape[0] // n_kv_head, weight.shape[1]
     group = n_kv_head // new_kv_head
     return weight.reshape(new_kv_head, group, D, C).mean(dim=1).reshape(new_kv_head * D, C)
+
+
+def kv_heads_per_gpu(n_kv_head: int, tp: int) -> tuple[int, int]:
+    """(K/V heads each GPU holds, copies of each K/V head) under tensor parallelism of degree ``tp``.
+
+    Query heads are split evenly over the GPUs; K/V heads too while there are enough (Hkv / tp each,
+    one copy). Once tp exceeds Hkv each GPU still needs the K/V head its query heads read, so every
+    K/V head is replicated on tp / Hkv GPUs (vLLM's QKVParallelLinear: num_kv_head_replicas =
+    tp / Hkv, K/V shard = tp_rank // replicas; vllm-project/vllm@9e109c98)."""
+    if n_kv_head < 1 or tp < 1:
+        raise ValueError(f"kv_heads_per_gpu: n_kv_head and tp must be >= 1, got {n_kv_head}, {tp}")
+    if tp >= n_kv_head:
+        if tp % n_kv_head:
+            raise ValueError(f"kv_heads_per_gpu: tp={tp} must be a multiple of n_kv_head={n_kv_head} to replicate evenly")
+        return 1, tp // n_kv_head
+    if n_kv_head % tp:
+        raise ValueError(f"kv_heads_per_gpu: n_kv_head={n_kv_head} must be a multiple of tp={tp}")
+    return n_kv_head // tp, 1
