@@ -180,3 +180,38 @@ def test_first_steps_reproduce_the_log(results):
         assert again["train_loss"] == pytest.approx(logged["train_loss"][:3], abs=1e-3), logged["method"]
         diff = (torch.tensor(again["loads"]) - torch.tensor(logged["loads"][:3])).abs().sum()
         assert int(diff) <= 8, logged["method"]
+
+
+def test_device_and_communication_balance_losses():
+    """DeepSeek-V2's device-level losses: 1 when even; an imbalance inside one device is invisible to
+    the device loss but not to the expert-level one; a token counts once per device it is sent to."""
+    T, E, D = 64, 8, 4
+    even = torch.full((T, E), 1 / E, dtype=torch.float64)
+    ids = torch.arange(2 * T).remainder(E).view(T, 2)                   # experts (2t, 2t + 1) mod 8
+    assert abs(float(balance.device_balance_loss(even, ids, D)) - 1) < 1e-12
+    inside = torch.stack([torch.arange(T).remainder(D) * 2] * 2, 1)    # only the first expert of each device ...
+    inside[:, 1] = (inside[:, 0] + 2) % E                               # ... and of the next device
+    probs = torch.zeros(T, E, dtype=torch.float64).scatter_(1, inside, 0.5)
+    assert abs(float(balance.device_balance_loss(probs, inside, D)) - 1) < 1e-12
+    assert float(switch_aux_loss(probs, inside)) > 1.9
+    # each token's two experts on one device: sent to 1 device, M = 1 allowed -> 1; told M = 2 -> 1/2
+    same_device = torch.stack([torch.arange(T).remainder(D) * 2, torch.arange(T).remainder(D) * 2 + 1], 1)
+    assert abs(float(balance.comm_balance_loss(even, same_device, D, 1)) - 1) < 1e-12
+    assert abs(float(balance.comm_balance_loss(even, same_device, D, 2)) - 0.5) < 1e-12
+    with pytest.raises(ValueError, match="n_groups must divide"):
+        balance.device_balance_loss(even, ids, 3)
+
+
+def test_sinkhorn_plan_is_balanced_and_its_routing_evens_a_skewed_router():
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(1024, 8, generator=g) + torch.linspace(-1, 1, 8)
+    plan = balance.sinkhorn_plan(u)
+    assert torch.allclose(plan.sum(1), torch.ones(1024, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(plan.sum(0), torch.full((8,), 128.0, dtype=torch.float64), atol=1e-3)
+    plain = torch.bincount(topk_route_ref(u, 2)[1].flatten(), minlength=8)
+    w, ids = balance.sinkhorn_route_ref(u, 2)
+    assert max_violation(plain) > 1.0 and max_violation(torch.bincount(ids.flatten(), minlength=8)) < 0.1
+    assert torch.allclose(w.sum(-1), torch.ones(1024))
+    balanced = torch.randn(1024, 8, generator=g)                         # an even router: few choices move
+    moved = (balance.sinkhorn_route_ref(balanced, 2)[1] != topk_route_ref(balanced, 2)[1]).any(-1).float().mean()
+    assert float(moved) < 0.3

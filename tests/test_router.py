@@ -192,3 +192,35 @@ def test_router_builds_do_not_spill_at_real_sizes():
     for label, b in zip(jobs, builds):
         for arch, build in b.items():
             assert build.spills == 0 and build.metadata["stack_bytes"] == 0, f"{label} {arch} spills"
+
+
+def test_noisy_topk_without_noise_is_plain_topk_and_noise_spreads_a_collapsed_router():
+    """softplus(v) -> 0 for v -> -inf: no noise, Shazeer's gate is the renormalised top-k softmax.
+    With noise, an expert that never wins on the clean logits receives tokens."""
+    u = _logits(200, 8, seed=11)
+    w, ids = router.noisy_topk_ref(u, torch.full_like(u, -60.0), 2, generator=torch.Generator().manual_seed(0))
+    w_ref, ids_ref = topk_route_ref(u, 2)
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref)
+    collapsed = torch.zeros(200, 8)
+    collapsed[:, :2] = 3.0                                               # experts 0 and 1 win every token
+    assert set(topk_route_ref(collapsed, 2)[1].flatten().tolist()) == {0, 1}
+    _, noisy = router.noisy_topk_ref(collapsed, torch.full_like(u, 1.0), 2, generator=torch.Generator().manual_seed(1))
+    assert int((torch.bincount(noisy.flatten(), minlength=8)[2:] > 0).sum()) == 6
+    with pytest.raises(ValueError, match="noise_logits must have the shape"):
+        router.noisy_topk_ref(u, u[:, :4], 2)
+
+
+def test_expert_choice_loads_are_exact_and_some_tokens_get_no_expert():
+    u = _logits(64, 8, seed=12) + torch.linspace(0, 2, 8)
+    gates, ids = router.expert_choice_ref(u, 16)                         # c = k T / E with k = 2
+    assert gates.shape == ids.shape == (8, 16)
+    assert torch.equal(torch.bincount(ids.flatten(), minlength=64).sum(), torch.tensor(128))
+    for e in range(8):                                                   # each expert's c best tokens, best first
+        col = torch.softmax(u.double(), -1)[:, e]
+        assert torch.equal(ids[e], torch.sort(col, descending=True, stable=True).indices[:16])
+        assert_close(gates[e], col[ids[e]].float())
+    picks = torch.bincount(ids.flatten(), minlength=64)
+    assert int((picks == 0).sum()) > 0 and int(picks.max()) > 2
+    with pytest.raises(ValueError, match="per_expert must be in"):
+        router.expert_choice_ref(u, 65)

@@ -32,6 +32,22 @@ route the same token differently. For the auxiliary loss, Qiu et al. (2025) sync
 the micro-batches of a global batch (``switch_aux_loss(..., load=global load)``) instead of
 balancing each micro-batch, which at a few sequences per micro-batch means balancing every
 sequence and keeps experts from specialising by domain.
+
+Device-level losses (DeepSeek-V2, section 2.2.3). With the E experts split into D groups of E/D
+consecutive experts, one group per device, f_j = E/(kT) * load_j and P_j as above:
+
+    device balance:        L_dev  = sum_i f'_i P'_i,   f'_i = mean_{j in group i} f_j,  P'_i = sum_{j in group i} P_j
+    communication balance: L_comm = sum_i f''_i P''_i, f''_i = D/(M T) * #tokens sent to device i,  P''_i = P'_i
+
+Both are 1 when even; L_dev leaves experts free to be uneven inside one device (which costs that
+device nothing), L_comm counts a token once per device it is sent to, however many of that device's
+experts it uses. DeepSeek-V2 weighted the three losses 0.003, 0.05 and 0.02.
+
+Sinkhorn routing (S-BASE, Clark et al. 2022; Megatron-LM's ``sinkhorn`` router type): balance the
+*choice* of one batch directly. Scale exp(u) (T, E) alternately so that every token's row sums to 1
+and every expert's column to T/E (Sinkhorn-Knopp), choose each token's top k of the scaled matrix,
+and weigh by the unscaled softmax. It needs the whole batch, like expert choice: it is a training-time
+rule (Megatron routes plain top-k at inference).
 """
 from __future__ import annotations
 
@@ -104,3 +120,67 @@ def bias_update_worker(rank: int, world_size: int, logits: torch.Tensor, k: int,
         load = torch.bincount(ids.flatten(), minlength=logits.shape[1])
         bias = bias_update(bias, global_load(load) if synchronise else load, rate)
     return bias
+
+
+def _group_sums(x: torch.Tensor, n_groups: int, name: str) -> torch.Tensor:
+    """(..., E) -> (..., D): the sum over each group of E / D consecutive experts."""
+    E = x.shape[-1]
+    if n_groups < 1 or E % n_groups:
+        raise ValueError(f"{name}: n_groups must divide E={E}, got {n_groups}")
+    return x.reshape(*x.shape[:-1], n_groups, E // n_groups).sum(-1)
+
+
+def device_balance_loss(probs: torch.Tensor, ids: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """DeepSeek-V2's device-level balance loss sum_i f'_i P'_i over ``n_groups`` devices (1 when even)."""
+    if probs.dim() != 2 or ids.dim() != 2 or probs.shape[0] != ids.shape[0]:
+        raise ValueError(f"device_balance_loss: probs (T, E) and ids (T, k) must share T, got "
+                         f"{tuple(probs.shape)} and {tuple(ids.shape)}")
+    T, E = probs.shape
+    k = ids.shape[1]
+    f = torch.bincount(ids.reshape(-1), minlength=E).to(probs.dtype) * E / (k * T)   # (E,) 1 when even
+    f_dev = _group_sums(f, n_groups, "device_balance_loss") / (E // n_groups)           # (D,) mean over the group
+    P_dev = _group_sums(probs.mean(dim=0), n_groups, "device_balance_loss")             # (D,)
+    return (f_dev * P_dev).sum()
+
+
+def comm_balance_loss(probs: torch.Tensor, ids: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """DeepSeek-V2's communication balance loss sum_i f''_i P''_i: f''_i counts the tokens sent to
+    device i (once per token, whatever the number of its experts there), scaled by D / (M T)."""
+    if probs.dim() != 2 or ids.dim() != 2 or probs.shape[0] != ids.shape[0]:
+        raise ValueError(f"comm_balance_loss: probs (T, E) and ids (T, k) must share T, got "
+                         f"{tuple(probs.shape)} and {tuple(ids.shape)}")
+    if not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"comm_balance_loss: topk_groups must be in [1, n_groups={n_groups}], got {topk_groups}")
+    T, E = probs.shape
+    hits = torch.zeros(T, E, dtype=probs.dtype, device=probs.device).scatter_(1, ids, 1.0)   # (T, E)
+    sent = (_group_sums(hits, n_groups, "comm_balance_loss") > 0).to(probs.dtype)             # (T, D)
+    f = sent.sum(0) * n_groups / (topk_groups * T)                                            # (D,)
+    return (f * _group_sums(probs.mean(dim=0), n_groups, "comm_balance_loss")).sum()
+
+
+def sinkhorn_plan(logits: torch.Tensor, *, iters: int = 200, tol: float = 1e-6) -> torch.Tensor:
+    """The balanced plan (T, E) fp64: exp(u) scaled so that rows sum to 1 and columns to T / E."""
+    if logits.dim() != 2:
+        raise ValueError(f"sinkhorn_plan: logits must be (T, E), got {tuple(logits.shape)}")
+    T, E = logits.shape
+    u = logits.double()
+    plan = torch.exp(u - u.max(dim=-1, keepdim=True).values)           # (T, E), rows' maxima at 1
+    for _ in range(iters):
+        plan = plan / plan.sum(dim=1, keepdim=True)                    # every token: mass 1
+        cols = plan.sum(dim=0)                                          # (E,) each expert's mass
+        plan = plan * (T / E) / cols                                    # every expert: mass T / E
+        if float((plan.sum(dim=1) - 1).abs().max()) < tol:
+            break
+    return plan
+
+
+def sinkhorn_route_ref(logits: torch.Tensor, k: int, **plan_options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights (T, k) fp32 and ids (T, k): the top k of :func:`sinkhorn_plan`, weighted by the
+    renormalised softmax of the unscaled logits (the plan decides which experts, not how much)."""
+    from kernels.moe.router import _stable_topk
+
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"sinkhorn_route_ref: k must be in [1, E={logits.shape[-1]}], got {k}")
+    ids = _stable_topk(sinkhorn_plan(logits, **plan_options), k)
+    w = torch.softmax(logits.double(), dim=-1).gather(1, ids)
+    return (w / w.sum(dim=-1, keepdim=True)).float(), ids

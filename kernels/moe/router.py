@@ -20,6 +20,10 @@ and within one choice rank, earlier tokens first (GShard's rule for top-2). GSha
 second choices at random before the capacity: ``gshard_second_keep`` keeps token t's second expert
 with probability min(1, w_2 / threshold), threshold 0.2 (Mesh TensorFlow's "random" policy).
 
+Two older rules are kept as references: Shazeer et al.'s *noisy* top-k (``noisy_topk_ref``, learned
+Gaussian noise on the logits before the choice) and expert-choice routing (``expert_choice_ref``,
+Zhou et al. 2022: the experts pick tokens, so loads are even by construction).
+
 ``topk_route`` is a Triton kernel that does the softmax and the top-k of a block of tokens in one
 pass (``topk_route_ref`` is the PyTorch reference): the logits are read once and only (T, k)
 weights and indices are written, instead of the (T, E) probabilities.
@@ -107,6 +111,41 @@ def gshard_second_keep(weights: torch.Tensor, threshold: float = 0.2,
     w2 = weights[:, 1] / weights.sum(dim=-1)                                # renormalised second weight
     u = torch.rand(weights.shape[0], generator=generator, dtype=torch.float64, device=weights.device)
     return torch.stack([torch.ones_like(w2, dtype=torch.bool), u < w2.double() / threshold], dim=1)
+
+
+def noisy_topk_ref(clean_logits: torch.Tensor, noise_logits: torch.Tensor, k: int, *,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shazeer et al.'s noisy top-k gating (2017, eqs. 3-5): weights (T, k) fp32 and ids (T, k).
+
+    H = u + n * softplus(v), n ~ N(0, 1) per token and expert, with u = x W_g (``clean_logits``) and
+    v = x W_noise (``noise_logits``, learned: how much noise each expert's score gets); the k largest
+    H are kept and softmaxed, the others get weight 0. The noise lets an expert that would never win
+    receive some tokens (and so some gradient) while the router is young."""
+    _check_route_args("noisy_topk_ref", clean_logits, k, "softmax", None)
+    if noise_logits.shape != clean_logits.shape:
+        raise ValueError(f"noisy_topk_ref: noise_logits must have the shape of clean_logits "
+                         f"{tuple(clean_logits.shape)}, got {tuple(noise_logits.shape)}")
+    u = clean_logits.double()
+    n = torch.randn(u.shape, generator=generator, dtype=torch.float64, device=u.device)
+    h = u + n * torch.nn.functional.softplus(noise_logits.double())                   # (T, E) noisy logits
+    ids = _stable_topk(h, k)                                                            # (T, k)
+    return torch.softmax(h.gather(1, ids), dim=-1).float(), ids
+
+
+def expert_choice_ref(logits: torch.Tensor, per_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-choice routing (Zhou et al. 2022): every expert picks its ``per_expert`` tokens.
+
+    S = softmax(u) over the experts (T, E); expert e takes the ``per_expert`` tokens with the largest
+    S[:, e] (ties to the lower token index). Returns gates (E, c) fp32 = those S values and token ids
+    (E, c) int64. Every expert's load is exactly c by construction; a token may be picked by several
+    experts or by none, and whether it is picked depends on the other tokens of the batch."""
+    _check_route_args("expert_choice_ref", logits, 1, "softmax", None)
+    T = logits.shape[0]
+    if not 1 <= per_expert <= T:
+        raise ValueError(f"expert_choice_ref: per_expert must be in [1, T={T}], got {per_expert}")
+    scores = torch.softmax(logits.double(), dim=-1).t()                                # (E, T)
+    ids = _stable_topk(scores, per_expert)                                              # (E, c)
+    return scores.gather(1, ids).float(), ids
 
 
 def _check_route_args(name: str, logits, k, score, bias, route_scale: float = 1.0) -> None:
