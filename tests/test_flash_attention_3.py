@@ -121,6 +121,46 @@ def test_block_quantization_codes_equal_the_bit_exact_encoder():
     assert float((back - x).abs().max() / x.abs().max()) < 2 ** -4     # half an E4M3 unit at the top
 
 
+def _recorded_o_proj_input(q, k, v):
+    """Causal GQA attention of (q, k, v), heads concatenated: (windows * T, Hq * D), as o_proj reads it."""
+    o = attention_ref(q, k, v, True)
+    return o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3])
+
+
+def test_smollm2_inputs_reproduce_the_attention_output_the_extraction_recorded():
+    """The Q, K, V rebuilt from block 12's input and weights give, through causal attention, the input of
+    o_proj that transformers computed offline (stats.json: its largest per-channel value and channel);
+    with Llama's default rope_theta 10000 instead of SmolLM2's 100000 the same check fails."""
+    from kernels.model.gpt import rope
+    from kernels.quant import calibration
+
+    recorded = calibration.smollm2_stats()["linears"]["layers.12.self_attn.o_proj"]
+    q, k, v = F3.smollm2_attention_inputs()
+    assert q.shape == (3, 9, 128, 64) and k.shape == v.shape == (3, 3, 128, 64)
+    a = _recorded_o_proj_input(q, k, v).abs().amax(0)
+    assert (round(float(a.max()), 3), int(a.argmax())) == (recorded["max"], recorded["top_channel"])
+    assert round(float(a.max() / a.median()), 2) == recorded["max_over_median"]
+    layer = calibration.smollm2_layers()["qkv"]
+    y = (layer.x @ layer.w.T).reshape(3, 128, 15, 64).transpose(1, 2)
+    pos = torch.arange(128)
+    wrong = _recorded_o_proj_input(rope(y[:, :9].float(), pos, 10000.0).double(),
+                                   rope(y[:, 9:12].float(), pos, 10000.0).double(), y[:, 12:])
+    assert round(float(wrong.abs().amax(0).max()), 3) != recorded["max"]
+
+
+def test_fp8_rotation_lowers_the_error_on_smollm2():
+    """Real outlier channels (SmolLM2-135M block 12, first window): the Hadamard rotation lowers the FP8
+    kernel's RMSE against float64 attention by more than 1.2x; per-block scales alone do not."""
+    q, k, v = (t[:1].half().to(DEVICE) for t in F3.smollm2_attention_inputs())
+    ref = attention_ref(q.double(), k.double(), v.double())
+    rmse = {}
+    for rotate, block_quant in ((False, False), (False, True), (True, True)):
+        o = F3.flash_attention_3_fp8(F3.prepare_fp8(q, k, v, rotate=rotate, block_quant=block_quant))
+        rmse[rotate, block_quant] = float(((o.double() - ref) ** 2).mean().sqrt())
+    assert rmse[False, True] > 1.2 * rmse[True, True]
+    assert abs(rmse[False, True] / rmse[False, False] - 1) < 0.1
+
+
 @triton.jit
 def _round_probe(x_ptr, o_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
