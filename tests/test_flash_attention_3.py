@@ -13,6 +13,7 @@ import triton.language as tl
 from kernels import inspect as ki
 from kernels import runtime
 from kernels.attention import attention_ref
+from kernels.quant import calibration
 from kernels.attention import flash3 as F3
 from kernels.testing import MismatchError, assert_close, nan_canary
 
@@ -135,7 +136,7 @@ def test_smollm2_inputs_reproduce_the_attention_output_the_extraction_recorded()
     from kernels.quant import calibration
 
     recorded = calibration.smollm2_stats()["linears"]["layers.12.self_attn.o_proj"]
-    q, k, v = F3.smollm2_attention_inputs()
+    q, k, v = calibration.smollm2_attention_inputs()
     assert q.shape == (3, 9, 128, 64) and k.shape == v.shape == (3, 3, 128, 64)
     a = _recorded_o_proj_input(q, k, v).abs().amax(0)
     assert (round(float(a.max()), 3), int(a.argmax())) == (recorded["max"], recorded["top_channel"])
@@ -151,7 +152,7 @@ def test_smollm2_inputs_reproduce_the_attention_output_the_extraction_recorded()
 def test_fp8_rotation_lowers_the_error_on_smollm2():
     """Real outlier channels (SmolLM2-135M block 12, first window): the Hadamard rotation lowers the FP8
     kernel's RMSE against float64 attention by more than 1.2x; per-block scales alone do not."""
-    q, k, v = (t[:1].half().to(DEVICE) for t in F3.smollm2_attention_inputs())
+    q, k, v = (t[:1].half().to(DEVICE) for t in calibration.smollm2_attention_inputs())
     ref = attention_ref(q.double(), k.double(), v.double())
     rmse = {}
     for rotate, block_quant in ((False, False), (False, True), (True, True)):

@@ -584,59 +584,6 @@ def warp_partitions(ttgir: str) -> dict[str, list[str]]:
     return parts
 
 
-# ----------------------------------------------------------------------------------------------
-# Real attention inputs for the FP8 (and, in kernels.attention.sage, INT8) error studies
-
-# SmolLM2-135M-Instruct's attention (hf2024smollm2config: 9 query heads, 3 K/V heads, head_dim 64,
-# rope_theta 100000, rotate-half RoPE), block 12, from the committed layer of models/smollm2-135m.
-SMOLLM2_HEADS = (9, 3, 64)
-SMOLLM2_ROPE_THETA = 100000.0
-
-
-def smollm2_attention_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q, K (RoPE applied) and V of SmolLM2-135M's block 12 on the three committed 128-token windows,
-    float64: q (3, 9, 128, 64), k and v (3, 3, 128, 64).
-
-    Computed from the block's captured input and its Q4_1 weights (kernels.quant.calibration
-    .smollm2_layers): [Q | K | V] = x W^T, split into heads, positions 0..127 of each window. The causal
-    attention of these tensors reproduces what the extraction recorded at the input of the block's
-    o_proj (its largest per-channel value and that channel: tests/test_flash_attention_3.py)."""
-    from kernels.model.gpt import rope
-    from kernels.quant import calibration
-
-    layer = calibration.smollm2_layers()["qkv"]
-    hq, hkv, d = SMOLLM2_HEADS
-    windows = calibration.smollm2_stats()["calibration"]["windows"]
-    y = layer.x @ layer.w.T                                        # (windows * T, (hq + 2 hkv) d)
-    T = y.shape[0] // windows
-
-    def heads(cols: torch.Tensor, h: int) -> torch.Tensor:         # (windows * T, h d) -> (windows, h, T, d)
-        return cols.reshape(windows, T, h, d).transpose(1, 2)
-
-    q, k, v = heads(y[:, :hq * d], hq), heads(y[:, hq * d:(hq + hkv) * d], hkv), heads(y[:, (hq + hkv) * d:], hkv)
-    pos = torch.arange(T)
-    return (rope(q.float(), pos, SMOLLM2_ROPE_THETA).double(), rope(k.float(), pos, SMOLLM2_ROPE_THETA).double(),
-            v.contiguous())
-
-
-def tiny_gpt_attention_inputs(n_windows: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(q, k, v) float64 (n_windows, 4, 128, 32), RoPE applied, at the input of each block's attention of
-    the course's tiny GPT (kernels.model, float64) on ``n_windows`` calibration windows: one per layer."""
-    from kernels.quant import calibration
-
-    model, tokens, captured = calibration.load_model_f64(), calibration.calibration_tokens(n_windows), []
-    for block in model.blocks:
-        original = block.attn._attend
-
-        def capture(q, k, v, start, use_kernels, original=original):
-            captured.append((q, k, v))
-            return original(q, k, v, start, use_kernels)
-        block.attn._attend = capture
-    with torch.no_grad():
-        model(tokens)
-    return captured
-
-
 def channel_offsets(x: torch.Tensor) -> torch.Tensor:
     """|mean| / std over tokens of every channel, the worst channel of each head: (H,) for x (B, H, N, D)."""
     xf = x.double()

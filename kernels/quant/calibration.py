@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.model import data
-from kernels.model.gpt import GPT, load_pretrained
+from kernels.model.gpt import GPT, load_pretrained, rope
 from kernels.model.train import SEED, evaluate, validation_slice
 
 LINEARS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
@@ -195,6 +195,34 @@ def _gguf_q4_1_rows(reader, name: str) -> tuple[torch.Tensor, torch.Tensor, torc
     qs = torch.from_numpy(blocks[..., 4:].copy()).to(torch.int32)            # (N, nb, 16)
     q = torch.cat([qs & 0xF, qs >> 4], -1).reshape(rows, -1)                # ggml: low nibbles first, then high
     return pack_int4(q.to(torch.uint8)), d, m
+
+# SmolLM2-135M-Instruct's attention (hf2024smollm2config: 9 query heads, 3 K/V heads, head_dim 64,
+# rope_theta 100000, rotate-half RoPE), block 12, from the committed layer of models/smollm2-135m:
+# the real Q, K, V of the FlashAttention-3 chapter's FP8 error study.
+SMOLLM2_HEADS = (9, 3, 64)
+SMOLLM2_ROPE_THETA = 100000.0
+
+
+def smollm2_attention_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K (RoPE applied) and V of SmolLM2-135M's block 12 on the three committed 128-token windows,
+    float64: q (3, 9, 128, 64), k and v (3, 3, 128, 64).
+
+    Computed from the block's captured input and its Q4_1 weights (:func:`smollm2_layers`):
+    [Q | K | V] = x W^T, split into heads, positions 0..127 of each window. The causal attention of these tensors reproduces what the extraction recorded at the input of the block's
+    o_proj (its largest per-channel value and that channel: tests/test_flash_attention_3.py)."""
+    layer = smollm2_layers()["qkv"]
+    hq, hkv, d = SMOLLM2_HEADS
+    windows = smollm2_stats()["calibration"]["windows"]
+    y = layer.x @ layer.w.T                                        # (windows * T, (hq + 2 hkv) d)
+    T = y.shape[0] // windows
+
+    def heads(cols: torch.Tensor, h: int) -> torch.Tensor:         # (windows * T, h d) -> (windows, h, T, d)
+        return cols.reshape(windows, T, h, d).transpose(1, 2)
+
+    q, k, v = heads(y[:, :hq * d], hq), heads(y[:, hq * d:(hq + hkv) * d], hkv), heads(y[:, (hq + hkv) * d:], hkv)
+    pos = torch.arange(T)
+    return (rope(q.float(), pos, SMOLLM2_ROPE_THETA).double(), rope(k.float(), pos, SMOLLM2_ROPE_THETA).double(),
+            v.contiguous())
 
 
 def extract_smollm2(gguf_path: Path, out_dir: Path = SMOLLM2_DIR, *, windows: int = 3, window: int = 128,
