@@ -240,14 +240,14 @@ def compile_jobs() -> dict:
         o = torch.empty(1, h, n, d, device="meta")
         lse = torch.empty(1, h, n, device="meta")
         o_b = torch.empty(1, h, n, d, dtype=torch.bfloat16, device="meta")
-        _, args, kwargs = _merge_args(o, lse, o_b, lse)
-        jobs[f"merge {label}, D={d}"] = ki.launch_job(_merge_attention_kernel, *args, **kwargs)
+        grid, args, kwargs = _merge_args(o, lse, o_b, lse)
+        jobs[f"merge {label}, D={d}"] = ki.launch_job(_merge_attention_kernel, *args, grid=grid, **kwargs)
     h, n, d = REAL_SHAPES["Llama-3-8B, 128k over 8 ranks"]
     o = torch.empty(1, h, n, d, device="meta")
     lse = torch.empty(1, h, n, device="meta")
     o_b = torch.empty(1, h, n // 2, d, dtype=torch.bfloat16, device="meta")
-    _, args, kwargs = _merge_args(o[:, :, n // 2:], lse[:, :, n // 2:], o_b, lse[:, :, : n // 2])
-    jobs["merge Llama-3-8B, zig-zag second half"] = ki.launch_job(_merge_attention_kernel, *args, **kwargs)
+    grid, args, kwargs = _merge_args(o[:, :, n // 2:], lse[:, :, n // 2:], o_b, lse[:, :, : n // 2])
+    jobs["merge Llama-3-8B, zig-zag second half"] = ki.launch_job(_merge_attention_kernel, *args, grid=grid, **kwargs)
     return jobs
 
 
@@ -329,8 +329,8 @@ def ring_forward(q, k, v, causal, scale, layout, impl, group=None, traffic=None,
     p, r = dist.get_world_size(group), dist.get_rank(group)
     B, H, n, D = q.shape
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o = torch.zeros(B, H, n, D, dtype=wide)
-    lse = torch.full((B, H, n), -math.inf, dtype=wide)
+    o = torch.zeros(B, H, n, D, dtype=wide, device=q.device)
+    lse = torch.full((B, H, n), -math.inf, dtype=wide, device=q.device)
     kv = torch.stack([k, v]).contiguous()                                    # one message: (2, B, Hkv, n, D)
     for s in range(p):
         src = (r - s) % p
@@ -370,9 +370,9 @@ def ring_backward(do, q, k, v, o, lse, causal, scale, layout, impl, group=None, 
     p, r = dist.get_world_size(group), dist.get_rank(group)
     n = q.shape[2]
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=wide)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
     kv = torch.stack([k, v]).contiguous()
-    dkv = torch.zeros(kv.shape, dtype=wide)              # the gradient of the K/V block this rank holds now
+    dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)              # the gradient of the K/V block this rank holds now
     for s in range(p):
         src = (r - s) % p
         if s < p - 1:
@@ -470,6 +470,39 @@ def overlap_threshold_tokens(n_heads: int, n_kv_heads: int, *, peak_tflops: floa
     """Tokens per rank above which a zig-zag step's compute hides its K/V transfer (alpha left out):
     2 n^2 H D / F = 2 n H_kv D b / W  gives  n* = H_kv b F / (H W)."""
     return n_kv_heads * bytes_per_value * peak_tflops * 1e12 / (n_heads * link_gbs * 1e9)
+
+
+def ring_timeline(p: int, compute_s: float, comm_s: float, *, overlap: bool = True) -> dict:
+    """Start and end of every step's compute and K/V transfer on one rank of a ring of p ranks whose
+    steps all cost ``compute_s`` (zig-zag: every step is half a block) and whose transfers cost
+    ``comm_s``. Step s's transfer (the block step s + 1 needs) starts with step s's compute when
+    ``overlap`` (double buffering: two K/V blocks live at once), after it otherwise; step s + 1
+    starts when both are done. Makespan: c + (p - 1) max(c, m) overlapped, c + (p - 1)(c + m) not.
+    Returns {"compute": [(start, end)] * p, "comm": [(start, end)] * (p - 1), "makespan": float}."""
+    if not (isinstance(p, int) and p >= 1):
+        raise ValueError(f"ring_timeline: p must be a positive int, got {p!r}")
+    if compute_s < 0 or comm_s < 0:
+        raise ValueError(f"ring_timeline: times must be >= 0, got compute_s={compute_s}, comm_s={comm_s}")
+    compute, comm, t = [], [], 0.0
+    for s in range(p):
+        compute.append((t, t + compute_s))
+        if s == p - 1:
+            t += compute_s
+            break
+        start = t if overlap else t + compute_s
+        comm.append((start, start + comm_s))
+        t = max(t + compute_s, start + comm_s)
+    return {"compute": compute, "comm": comm, "makespan": t}
+
+
+def ring_bytes(n_local: int, n_kv_heads: int, head_dim: int, p: int, *, value_bytes: int,
+               grad_bytes: int = 4, batch: int = 1) -> dict:
+    """Bytes one rank sends in one ring attention, derived: forward p - 1 K/V blocks of
+    2 b n H_kv D values; backward p - 1 K/V blocks again plus p dK/dV blocks, which travel in the
+    accumulation dtype (``grad_bytes``: fp32 here and in ring-flash-attention)."""
+    block = 2 * batch * n_local * n_kv_heads * head_dim
+    return {"forward": (p - 1) * block * value_bytes,
+            "backward": (p - 1) * block * value_bytes + p * block * grad_bytes}
 
 
 # ---------------------------------------------------------------- the chapter's experiment (one launch)

@@ -45,7 +45,7 @@ class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, ledger):
         p = dist.get_world_size(group)
-        out = torch.empty(p * x.numel(), dtype=x.dtype)
+        out = torch.empty(p * x.numel(), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, x.contiguous().flatten(), group=group)
         out = out.view(p, *x.shape)
         if ledger is not None:
@@ -55,7 +55,7 @@ class _AllGatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        mine = torch.empty(grad[0].numel(), dtype=grad.dtype)
+        mine = torch.empty(grad[0].numel(), dtype=grad.dtype, device=grad.device)
         dist.reduce_scatter_single(mine, grad.contiguous().flatten(), group=ctx.group)
         mine = mine.view(grad.shape[1:])
         if ctx.ledger is not None:
@@ -118,7 +118,7 @@ def cp_loss(model, idx, targets, mode: str, group=None, ledger=None, traffic=Non
     p, r = dist.get_world_size(group), dist.get_rank(group)
     n = idx.shape[1]
     mine, tgt = ring.shard(idx, p, r, "zigzag", dim=1), ring.shard(targets, p, r, "zigzag", dim=1)
-    pos = ring.positions(n, p, r, "zigzag") if broken != "local_positions" else torch.arange(n // p)
+    pos = (ring.positions(n, p, r, "zigzag") if broken != "local_positions" else torch.arange(n // p)).to(idx.device)
     logits = cp_forward(model, mine, pos, mode, group, ledger, traffic)
     loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum") / targets.numel()
     return loss, logits
