@@ -65,8 +65,11 @@ def start_server(extra: list[str], *, cwd: Path = ROOT, env: dict | None = None)
     raise RuntimeError("server did not start within 120 s")
 
 
-def run_level(url: str, clients: int, n_requests: int, max_tokens: int, texts: list[str]) -> dict:
-    """``clients`` threads send ``n_requests`` streaming completions in all; wall time and TTFTs."""
+def run_level(url: str, clients: int, n_requests: int, max_tokens: int, texts: list[str],
+              temperature: float | None = None) -> dict:
+    """``clients`` threads send ``n_requests`` streaming completions in all; wall time and TTFTs.
+    ``temperature`` None leaves the field out (the server's default: 1, sampled)."""
+    extra = {} if temperature is None else {"temperature": temperature}
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300.0, max_retries=0)
     ttft, lock = [], threading.Lock()
     counter = iter(range(n_requests))
@@ -80,7 +83,7 @@ def run_level(url: str, clients: int, n_requests: int, max_tokens: int, texts: l
             t0 = time.perf_counter()
             first = None
             for chunk in client.completions.create(model="tiny-gpt", prompt=texts[i % len(texts)],
-                                                   max_tokens=max_tokens, stream=True):
+                                                   max_tokens=max_tokens, stream=True, **extra):
                 if chunk.choices and chunk.choices[0].text and first is None:
                     first = time.perf_counter() - t0
             with lock:
@@ -93,7 +96,8 @@ def run_level(url: str, clients: int, n_requests: int, max_tokens: int, texts: l
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    return {"clients": clients, "requests": n_requests, "max_tokens": max_tokens, "seconds": wall,
+    return {"clients": clients, "requests": n_requests, "max_tokens": max_tokens, "temperature": temperature,
+            "seconds": wall,
             "requests_per_s": n_requests / wall, "tokens_per_s": n_requests * max_tokens / wall,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)}
 
@@ -117,6 +121,7 @@ def main(argv=None) -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=None, help="sent with every request (default: not sent)")
     ap.add_argument("--url", default=None, help="an already running server (default: start one)")
     ap.add_argument("--server-args", default="", help="extra arguments for the server it starts")
     ap.add_argument("--json", default=None, help="write the rows and their provenance to this file")
@@ -128,10 +133,10 @@ def main(argv=None) -> None:
     rows = []
     try:
         texts = prompts(64)
-        run_level(url, 1, 2, 4, texts)                                   # warm up
+        run_level(url, 1, 2, 4, texts, args.temperature)                 # warm up
         print(f"{'clients':>7} {'requests':>8} {'req/s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9}")
         for c in args.clients:
-            r = run_level(url, c, args.requests, args.max_tokens, texts)
+            r = run_level(url, c, args.requests, args.max_tokens, texts, args.temperature)
             rows.append(r)
             print(f"{c:7} {r['requests']:8} {r['requests_per_s']:7.2f} {r['tokens_per_s']:7.1f} "
                   f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:7.0f}ms", flush=True)
@@ -142,6 +147,7 @@ def main(argv=None) -> None:
     if args.json:
         info = {"command": "python -m kernels.serving.loadtest " + " ".join(sys.argv[1:] if argv is None else argv),
                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine()}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"provenance": info, "rows": rows}, indent=1) + "\n")
 
 
