@@ -1,0 +1,84 @@
+"""Context parallelism of the tiny GPT on 4 gloo processes (one launch for the module,
+kernels.dist.context_parallel.cp_worker): in both modes (ring, all-gather) the summed loss and every
+weight gradient equal the single-process model, each broken variant is caught, and the K/V bytes one
+rank sends per layer are the module docstring's formula."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import ring
+from kernels.dist import context_parallel as cp
+from kernels.dist.launch import launch
+from kernels.model import data
+from kernels.model.gpt import GPTConfig, load_pretrained
+
+P, B, T = 4, 3, 40                 # T/p = 10 tokens per rank, zig-zag chunks of 5
+CFG = GPTConfig()
+# float64 model, but its RMSNorm computes in float32 (kernels.model.gpt.rms_norm_torch), so CP and one
+# process agree to a few float32 roundings of the largest value (the tensor-parallel tests' bound).
+REL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def run():
+    return launch(cp.cp_worker, P, (B, T), timeout=180)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tokens = data.encode(data.load_text()[:20000])
+    idx, targets = data.get_batch(tokens, B, T, torch.Generator().manual_seed(0))
+    model = load_pretrained().double().train()
+    logits = model(idx)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    return {"logits": logits.detach(), "loss": loss.item(), "grads": grads,
+            "scale": max(float(g.abs().max()) for g in grads.values())}
+
+
+def _grad_err(res, ref):
+    return max(float((res["grads"][n] - ref["grads"][n]).abs().max()) for n in ref["grads"]) / ref["scale"]
+
+
+@pytest.mark.parametrize("mode", cp.MODES)
+def test_loss_logits_and_gradients_equal_one_process(run, reference, mode):
+    shards = [res[mode]["logits"] for res in run.results]
+    logits = ring.unshard(shards, "zigzag", dim=1)
+    assert float((logits - reference["logits"]).abs().max()) <= 10 * REL
+    for rank, res in enumerate(run.results):
+        r = res[mode]
+        assert abs(r["loss"] - reference["loss"]) <= 1e-8, f"{mode} rank {rank}: loss {r['loss']}"
+        assert len(r["grads"]) == 2 + 9 * CFG.n_layer
+        assert _grad_err(r, reference) <= REL, f"{mode} rank {rank}: gradients off"
+        assert all(torch.equal(r["grads"][n], run.results[0][mode]["grads"][n]) for n in r["grads"])
+
+
+def test_local_positions_changes_the_loss(run, reference):
+    for res in run.results:
+        assert abs(res["local_positions"]["loss"] - reference["loss"]) > 1e-3
+
+
+def test_no_grad_allreduce_changes_the_gradients_not_the_loss(run, reference):
+    for res in run.results:
+        r = res["no_grad_allreduce"]
+        assert abs(r["loss"] - reference["loss"]) <= 1e-8       # the forward is untouched
+        assert _grad_err(r, reference) > 1e-2
+
+
+def _formula(p, n, hkv, d, elem, batch):
+    """Docstring: ring (p - 1) * 2 (n/p) H_kv D; all-gather (p - 1)/p * 2 n H_kv D (elements, per sequence)."""
+    ring_b = (p - 1) * 2 * (n // p) * hkv * d * elem * batch
+    ag_b = (p - 1) * 2 * n * hkv * d * elem * batch // p
+    return ring_b, ag_b
+
+
+def test_kv_bytes_sent_per_layer_match_the_formula(run):
+    ring_b, ag_b = _formula(P, T, CFG.n_kv_head, CFG.head_dim, 8, B)
+    assert ring_b == ag_b == 3 * 2 * 10 * 2 * 32 * 8 * 3
+    for res in run.results:
+        assert res["ring"]["traffic"].forward_bytes == CFG.n_layer * ring_b
+        assert res["allgather"]["ledger"]["allgather_forward"] == CFG.n_layer * ag_b
+        # the all-gather's backward is a reduce-scatter of dK, dV: the same bytes back
+        assert res["allgather"]["ledger"]["allgather_backward"] == CFG.n_layer * ag_b
+        assert res["allgather"]["traffic"].forward_bytes == 0 and not res["ring"]["ledger"]
