@@ -85,12 +85,12 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_sm90_build_at_vit_b16_does_not_spill():
-    """ViT-B/16: 3 x 16 x 16 = 768 pixels per patch to 768 features, fp16, the launcher's tiles."""
-    tiles = vit.patch_embed_launch(196 * 8, 768, 768)
-    warps = tiles.pop("num_warps")
-    sig = {n: ("*fp16" if n.endswith("_ptr") else "i32") for n in vit._patch_embed_kernel.arg_names
-           if n not in ("P", "ADD_BIAS", *tiles)}
-    job = ki.TritonJob(vit._patch_embed_kernel, sig, constexprs=dict(P=16, ADD_BIAS=True, **tiles), num_warps=warps)
+    """ViT-B/16: 3 x 16 x 16 = 768 pixels per patch to 768 features, fp16, the job of the real launch
+    (224 x 224 images, batch 32); every compile_jobs() entry is that launch's job."""
+    jobs = vit.compile_jobs()
+    assert all(j.constexprs["P"] == 16 and j.grid[1] == 12 for j in jobs.values())
+    job = vit.launch_job()
+    assert job.grid == (98, 12) and job.constexprs["stride_iw"] == 1
     build = ki.compile_triton_many([job], archs=("sm90",))[0]["sm90"]
     assert build.spills == 0 and build.metadata["stack_bytes"] == 0 and build.metadata["registers"] < 255
     assert build.families("sass")["HGMMA"] > 0 or build.families("sass")["HMMA"] > 0

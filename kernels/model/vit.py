@@ -124,8 +124,10 @@ def _patch_embed_kernel(
 
 
 def patch_embed_launch(M: int, E: int, K: int) -> dict:
-    """Tiles: 64 patches x 64 features, K in steps of up to 64 (at least 16, tl.dot's minimum), 8 warps
-    (with 4 the gather's index arithmetic takes all 255 registers on sm_90a; with 8, 177)."""
+    """Tiles: 64 patches x 64 features, K in steps of up to 64 (at least 16, tl.dot's minimum), 8 warps.
+    (Compiled for sm_90a without the launch's specialisation, i.e. a runtime ``stride_iw``, the gather's
+    index arithmetic took all 255 registers at 4 warps and 177 at 8; at the real launch, where
+    ``stride_iw == 1`` is a constexpr, :func:`launch_job` builds with 47 registers at 8 warps.)"""
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=max(16, min(64, triton.next_power_of_2(K))), num_warps=8)
 
 
@@ -158,11 +160,41 @@ def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     gw = W // p
     M = B * (H // p) * gw
     out = torch.empty((B, M // B, E), dtype=images.dtype, device=images.device)
+    grid, args, kwargs = _patch_embed_args(images, weight, bias, out, p, add_bias=_add_bias)
+    _patch_embed_kernel[grid](*args, **kwargs)
+    return out
+
+
+def _patch_embed_args(images, weight, bias, out, p: int, *, add_bias: bool = True):
+    """(grid, args, kwargs) of one launch of :func:`_patch_embed_kernel`, shared by :func:`patch_embed`
+    and :func:`launch_job` so the AOT build is the launch."""
+    B, C, H, W = images.shape
+    K, E = C * p * p, weight.shape[1]
+    gw = W // p
+    M = B * (H // p) * gw
     tiles = patch_embed_launch(M, E, K)
     grid = (triton.cdiv(M, tiles["BLOCK_M"]), triton.cdiv(E, tiles["BLOCK_N"]))
-    _patch_embed_kernel[grid](images, weight, bias, out, *images.stride(), M, M // B, gw, K, E,
-                              P=p, ADD_BIAS=_add_bias, **tiles)
-    return out
+    args = (images, weight, bias, out, *images.stride(), M, M // B, gw, K, E)
+    return grid, args, dict(P=p, ADD_BIAS=add_bias, **tiles)
+
+
+def launch_job(batch: int = 32, image: int = 224, p: int = 16, channels: int = 3, dim: int = 768, *,
+               dtype=torch.float16, target: str = "sm90"):
+    """The job of a GPU launch of :func:`patch_embed` at these sizes, on meta tensors (ViT-B/16 on
+    224 x 224 images, batch 32, by default)."""
+    from kernels import inspect as ki
+
+    images = torch.empty(batch, channels, image, image, dtype=dtype, device="meta")
+    weight = torch.empty(channels * p * p, dim, dtype=dtype, device="meta")
+    bias = torch.empty(dim, dtype=dtype, device="meta")
+    out = torch.empty(batch, (image // p) ** 2, dim, dtype=dtype, device="meta")
+    grid, args, kwargs = _patch_embed_args(images, weight, bias, out, p)
+    return ki.launch_job(_patch_embed_kernel, *args, target=target, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """ViT-B/16's patch embedding, 224 x 224 images, fp16, batch 32 and batch 1."""
+    return {f"ViT-B/16 patch embedding, 224x224, fp16, batch {b}": launch_job(batch=b) for b in (32, 1)}
 
 
 # ---------------------------------------------------------------- the model
