@@ -17,6 +17,9 @@ CFG = GPTConfig()
 # float64 model, but its RMSNorm computes in float32 (kernels.model.gpt.rms_norm_torch), so CP and one
 # process agree to a few float32 roundings of the largest value (the tensor-parallel tests' bound).
 REL = 1e-6
+# The loss moves by at most twice the largest logit error (10 * REL); seen 1.4e-8 under the second CPU
+# configuration (ATEN_CPU_CAPABILITY=default), so 1e-8 would be too tight.
+LOSS_TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def test_loss_logits_and_gradients_equal_one_process(run, reference, mode):
     assert float((logits - reference["logits"]).abs().max()) <= 10 * REL
     for rank, res in enumerate(run.results):
         r = res[mode]
-        assert abs(r["loss"] - reference["loss"]) <= 1e-8, f"{mode} rank {rank}: loss {r['loss']}"
+        assert abs(r["loss"] - reference["loss"]) <= LOSS_TOL, f"{mode} rank {rank}: loss {r['loss']}"
         assert len(r["grads"]) == 2 + 9 * CFG.n_layer
         assert _grad_err(r, reference) <= REL, f"{mode} rank {rank}: gradients off"
         assert all(torch.equal(r["grads"][n], run.results[0][mode]["grads"][n]) for n in r["grads"])
@@ -62,7 +65,7 @@ def test_local_positions_changes_the_loss(run, reference):
 def test_no_grad_allreduce_changes_the_gradients_not_the_loss(run, reference):
     for res in run.results:
         r = res["no_grad_allreduce"]
-        assert abs(r["loss"] - reference["loss"]) <= 1e-8       # the forward is untouched
+        assert abs(r["loss"] - reference["loss"]) <= LOSS_TOL       # the forward is untouched
         assert _grad_err(r, reference) > 1e-2
 
 
