@@ -207,12 +207,60 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    table = block_table.contiguous()
-    _paged_decode_kernel[paged_grid(B, Hkv)](
-        q, k_pages, v_pages, table, seqlens, out,
-        *q.stride(), *k_pages.stride(), *v_pages.stride(), table.stride(0), *out.stride(),
-        D, Hq // Hkv, window or 0, LOG2E / math.sqrt(D),
-        PAGE=P, BLOCK_S=block_s or default_block_s(Hq // Hkv, D, P), BLOCK_G=triton.next_power_of_2(Hq // Hkv), BLOCK_D=triton.next_power_of_2(D),
-        HAS_WINDOW=window is not None, MASK_LENGTH=mask_length,
-    )
+    grid, args, kwargs = _paged_args(q, k_pages, v_pages, block_table.contiguous(), seqlens, out, window=window,
+                                     block_s=block_s or default_block_s(Hq // Hkv, D, P), mask_length=mask_length)
+    _paged_decode_kernel[grid](*args, **kwargs)
     return out
+
+
+def _paged_args(q, k_pages, v_pages, table, seqlens, out, *, window: int | None, block_s: int,
+                mask_length: bool = True):
+    """(grid, args, kwargs) of one launch of :func:`_paged_decode_kernel` (``table`` contiguous), shared
+    by :func:`paged_decode_attention` and :func:`launch_job` so the AOT build is the launch."""
+    B, Hq, D = q.shape
+    Hkv, P = k_pages.shape[1], k_pages.shape[2]
+    args = (q, k_pages, v_pages, table, seqlens, out,
+            *q.stride(), *k_pages.stride(), *v_pages.stride(), table.stride(0), *out.stride(),
+            D, Hq // Hkv, window or 0, LOG2E / math.sqrt(D))
+    kwargs = dict(PAGE=P, BLOCK_S=block_s, BLOCK_G=triton.next_power_of_2(Hq // Hkv), BLOCK_D=triton.next_power_of_2(D),
+                  HAS_WINDOW=window is not None, MASK_LENGTH=mask_length)
+    return paged_grid(B, Hkv), args, kwargs
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile jobs at real models' sizes: fp16 pages of 16 positions (vLLM's default), batch 32, an 8k
+# context per sequence, the tile a GPU launch picks (min(page, decode.gpu_block_s))
+
+# (label, query heads, K/V heads, head dim, sliding window)
+REAL_CONFIGS = (
+    ("Llama-3-8B", 32, 8, 128, None),
+    ("Llama-2-70B", 64, 8, 128, None),
+    ("Mistral-7B-v0.1 (window 4096)", 32, 8, 128, 4096),
+)
+
+
+def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 32, context: int = 8192, page_size: int = 16,
+               window: int | None = None, block_s: int | None = None, dtype=torch.float16, target: str = "sm90"):
+    """The job of the GPU launch :func:`paged_decode_attention` makes for ``batch`` sequences of
+    ``context`` positions each, on meta tensors: a pool of exactly their pages, an int32 page table
+    and int32 lengths. ``block_s`` defaults to a GPU's choice, ``min(page_size, gpu_block_s(group, D))``."""
+    from kernels import inspect as ki
+
+    pages = -(-context // page_size)
+    q = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
+    kv = torch.empty(batch * pages, hkv, page_size, head_dim, dtype=dtype, device="meta")
+    table = torch.empty(batch, pages, dtype=torch.int32, device="meta")
+    lens = torch.empty(batch, dtype=torch.int32, device="meta")
+    out = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
+    block_s = block_s or min(page_size, gpu_block_s(hq // hkv, head_dim))
+    grid, args, kwargs = _paged_args(q, kv, kv, table, lens, out, window=window, block_s=block_s)
+    return ki.launch_job(_paged_decode_kernel, *args, target=target, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """At :data:`REAL_CONFIGS` (D=128), batch 32, 8k positions each in 16-position pages: the launch on a GPU."""
+    jobs = {}
+    for label, hq, hkv, d, window in REAL_CONFIGS:
+        block_s = min(16, gpu_block_s(hq // hkv, d))
+        jobs[f"{label}, group {hq // hkv}, BLOCK_S {block_s}"] = launch_job(hq, hkv, d, window=window)
+    return jobs
