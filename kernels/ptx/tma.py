@@ -179,8 +179,6 @@ def box_copy_ref(x: torch.Tensor, block: tuple[int, int], fill: float = 0.0) -> 
 def box_copy(x: torch.Tensor, block: tuple[int, int] = (64, 64), padding: str = "zero") -> torch.Tensor:
     """Copy every (block) box of the 2-D ``x`` through a Triton tensor descriptor into a buffer
     padded to whole blocks; the padding shows the descriptor's out-of-bounds fill."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be a 2-D tensor with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
     if (x.stride(0) * x.element_size()) % 16:
@@ -189,6 +187,35 @@ def box_copy(x: torch.Tensor, block: tuple[int, int] = (64, 64), padding: str = 
         raise ValueError(f"padding must be 'zero' or 'nan', got {padding!r}")
     bm, bn = block
     out = torch.empty(-(-x.shape[0] // bm) * bm, -(-x.shape[1] // bn) * bn, dtype=x.dtype, device=x.device)
-    desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, bn], padding=padding)
-    _box_copy_kernel[(out.shape[0] // bm, out.shape[1] // bn)](desc, out, out.shape[1], BLOCK_M=bm, BLOCK_N=bn)
+    grid, args, kwargs = _box_copy_args(x, out, block, padding)
+    _box_copy_kernel[grid](*args, **kwargs)
     return out
+
+
+def _box_copy_args(x: torch.Tensor, out: torch.Tensor, block: tuple[int, int], padding: str):
+    """(grid, args, kwargs) of one launch of :func:`_box_copy_kernel` (a host tensor descriptor over
+    ``x``), shared by :func:`box_copy` and :func:`launch_job` so the AOT build is the launch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn = block
+    desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, bn], padding=padding)
+    return (out.shape[0] // bm, out.shape[1] // bn), (desc, out, out.shape[1]), dict(BLOCK_M=bm, BLOCK_N=bn)
+
+
+def launch_job(rows: int, cols: int, block: tuple[int, int] = (128, 64), *, padding: str = "zero",
+               dtype=torch.float16, target: str = "sm90"):
+    """The job of the GPU launch :func:`box_copy` makes for a contiguous (rows, cols) tensor, on meta tensors."""
+    from kernels import inspect as ki
+
+    bm, bn = block
+    x = torch.empty(rows, cols, dtype=dtype, device="meta")
+    out = torch.empty(-(-rows // bm) * bm, -(-cols // bn) * bn, dtype=dtype, device="meta")
+    grid, args, kwargs = _box_copy_args(x, out, block, padding)
+    return ki.launch_job(_box_copy_kernel, *args, target=target, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """The 128 x 64 fp16 box over two of Llama-3-8B's weight matrices: the query projection
+    (4096 x 4096) and the MLP's up projection (14336 x 4096)."""
+    return {"Llama-3-8B W_q (4096 x 4096) in 128x64 fp16 boxes": launch_job(4096, 4096),
+            "Llama-3-8B W_up (14336 x 4096) in 128x64 fp16 boxes": launch_job(14336, 4096)}
