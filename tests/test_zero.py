@@ -58,6 +58,21 @@ def test_fsdp2_collective_schedule(results):
     assert [n for *_, n in bwd_rs] == [blocks] * 4 + [root]
 
 
+def test_flat_zero_collectives_and_their_traffic(results):
+    """Stage 0 all-reduces; stages 1 and 2 reduce-scatter then all-gather, which is the same ring
+    traffic as the all-reduce (an all-reduce that also all-gathered would be 1.5x and fail here);
+    FSDP2 gathers the blocks twice, the unsharded root once: just under 1.5x."""
+    padded = -(-count_parameters(GPTConfig())["total"] // N) * N
+    assert results[0][0]["events"] == [("all-reduce", "step", padded)]
+    for stage in (1, 2):
+        assert results[0][stage]["events"] == [("reduce-scatter", "step", padded), ("all-gather", "step", padded)]
+    traffic = {s: zero.ring_bytes_sent(results[0][s]["events"], 8, N) for s in zero.STAGES}
+    assert traffic[1] == traffic[2] == traffic[0]
+    assert 1.4 < traffic[3] / traffic[0] < 1.5
+    with pytest.raises(ValueError, match="no ring count for"):
+        zero.ring_bytes_sent([("broadcast", "step", 4)], 8, N)
+
+
 def test_a_zero_without_its_all_gather_is_caught(results):
     single = results[0]["single"]
     bad = results[0]["broken"]["losses"]

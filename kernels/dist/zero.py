@@ -11,8 +11,9 @@ Over N data-parallel ranks, with Psi parameters, bytes per rank:
 
 The experiment trains in float64 with plain Adam, so its ledger is 8 + 8 + 16 bytes per parameter:
 :func:`ledger` takes the three sizes as arguments. Stages 0-2 are :class:`FlatZero` (parameters as
-views into one flat buffer; stage 1 all-reduces gradients, stage 2 reduce-scatters them; each rank
-steps Adam on its 1/N slice and the slices are all-gathered back). Stage 3 is PyTorch's FSDP2,
+views into one flat buffer; stage 0 all-reduces the gradients, stages 1 and 2 reduce-scatter them,
+stage 2 keeping only its slice; each rank steps Adam on its 1/N slice and the slices are
+all-gathered back). Stage 3 is PyTorch's FSDP2,
 ``torch.distributed.fsdp.fully_shard``: parameters sharded per block, all-gathered before each
 block's forward and backward, gradients reduce-scattered after its backward.
 """
@@ -45,8 +46,9 @@ class FlatZero:
     multiple of N); ``step()`` reduces the gradients and runs Adam.
 
     stage 0: all-reduce the flat gradient, Adam on the whole flat buffer (state for all Psi);
-    stage 1: all-reduce the flat gradient, Adam on this rank's slice only, all-gather the slices;
-    stage 2: reduce-scatter the flat gradient (each rank keeps only its slice's sum), then as stage 1.
+    stage 1: reduce-scatter the flat gradient (each rank needs only its slice's sum), Adam on this
+             rank's slice only, all-gather the slices; the full gradient buffer is still kept;
+    stage 2: as stage 1, but the full gradient is transient: only the 1/N slice stays.
     ``broken="no_gather"``: the slices are not all-gathered (each rank keeps stale weights elsewhere).
     """
 
@@ -83,13 +85,12 @@ class FlatZero:
         return g
 
     def step(self) -> None:
-        g = self._flat_grad()
-        if self.stage < 2:
-            dist.all_reduce(g)
-            lo = self.r * self.slice if self.stage else 0
-            grad_slice = g[lo: lo + self.slice]
+        g = self._flat_grad()                                          # (padded,) this rank's gradient
+        if self.stage == 0:
+            dist.all_reduce(g)                                         # every rank: the sum of everything
+            grad_slice = g
         else:
-            grad_slice = torch.empty(self.slice, dtype=g.dtype)
+            grad_slice = torch.empty(self.slice, dtype=g.dtype)        # (padded / N,)
             dist.reduce_scatter_single(grad_slice, g)                  # each rank: the sum of its slice only
         self.shard.grad = grad_slice / self.n                          # mean over the ranks' batches
         self.opt.step()                                                # Adam on Psi (stage 0) or Psi / N elements
@@ -152,25 +153,30 @@ def train_flat_zero(steps, batch, seq, lr, stage, broken=None) -> dict:
     n, r = dist.get_world_size(), dist.get_rank()
     model = _model()
     zero = FlatZero(model, stage, lr, broken)
-    losses = []
-    for x, y in _batches(steps, batch, seq):
+    losses, events = [], []
+    for i, (x, y) in enumerate(_batches(steps, batch, seq)):
         xs, ys = x.chunk(n)[r], y.chunk(n)[r]                          # this rank's batch / N sequences
         zero.zero_grad()
         loss = _loss(model, xs, ys)
         loss.backward()
-        zero.step()
+        with _Recorder() as rec:
+            rec.phase = "step"
+            zero.step()
+        if i == 0:
+            events = rec.events
         losses.append(_global_loss(loss, n))
-    return {"losses": losses, "bytes": zero.resident_bytes()}
+    return {"losses": losses, "bytes": zero.resident_bytes(), "events": events}
 
 
 class _Recorder:
-    """Wraps dist.all_gather_single / reduce_scatter_single (what FSDP2 calls) to log each call."""
+    """Wraps dist.all_gather_single / reduce_scatter_single (what FSDP2 and FlatZero call) and
+    dist.all_reduce (FlatZero's stage 0) to log each call as (op, phase, elements)."""
 
     def __init__(self):
         self.events, self.phase = [], "forward"
 
     def __enter__(self):
-        self._ag, self._rs = dist.all_gather_single, dist.reduce_scatter_single
+        self._ag, self._rs, self._ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
 
         def size(a, k):                                            # the larger tensor: gathered / scattered
             return max(t.numel() for t in list(a) + list(k.values()) if torch.is_tensor(t))
@@ -183,11 +189,28 @@ class _Recorder:
             self.events.append(("reduce-scatter", self.phase, size(a, k)))
             return self._rs(*a, **k)
 
-        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+        def ar(*a, **k):
+            self.events.append(("all-reduce", self.phase, size(a, k)))
+            return self._ar(*a, **k)
+
+        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = ag, rs, ar
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
+        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = self._ag, self._rs, self._ar
+
+
+def ring_bytes_sent(events, element_bytes: int, n_ranks: int) -> float:
+    """Bytes one rank sends for the recorded collectives, each run as a ring (the collectives
+    chapter's counts): all-reduce 2 (N-1)/N n, all-gather and reduce-scatter (N-1)/N n, with n the
+    full (gathered or scattered) tensor's bytes."""
+    from kernels.dist import collectives as C
+    per_op = {"all-reduce": C.ring_all_reduce_bytes, "all-gather": C.ring_all_gather_bytes,
+              "reduce-scatter": C.ring_reduce_scatter_bytes}
+    unknown = {op for op, *_ in events} - per_op.keys()
+    if unknown:
+        raise ValueError(f"ring_bytes_sent: no ring count for {sorted(unknown)}")
+    return sum(per_op[op](n * element_bytes, n_ranks) for op, _, n in events)
 
 
 def train_fsdp2(steps, batch, seq, lr) -> dict:
