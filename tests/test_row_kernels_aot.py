@@ -1,7 +1,9 @@
 """The row kernels (softmax, LayerNorm, RMSNorm, add+RMSNorm) and the GLU kernels compiled ahead of
-time for sm_90a at the widths of real models, with the launch choices their launchers make
-(each module's ``aot_jobs`` asks :func:`kernels.rows.row_launch`, as the launcher does): no
-register spills, and row offsets computed in 64 bits. One compile for the whole file (about 45 s).
+time for sm_90a at the widths of real models. The row kernels' jobs are their launches (each module's
+``launch_jobs`` builds the launcher's own arguments on meta tensors with the launch
+:func:`kernels.rows.row_launch` decides, and :func:`kernels.inspect.launch_job` specialises them as
+Triton's binder does on a GPU): no register spills, and row offsets computed in 64 bits. One compile
+for the whole file (about 45 s).
 
 Widths: 4096 (LLaMA-7B), 8192 (Llama 2/3 70B), 16384 (Llama 3 405B), and 65536 for the tiled path.
 """
@@ -19,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.inspect import TritonJob, compile_triton_many
-from kernels.rows import BACKWARD, FORWARD, row_launch
+from kernels.rows import BACKWARD, FORWARD, RowLaunch, row_launch
 
 softmax_mod = importlib.import_module("kernels.softmax.online")
 ln_mod = importlib.import_module("kernels.norm.layer_norm")
@@ -58,30 +60,26 @@ def _cases() -> list[tuple[str, TritonJob]]:
     cases = []
     for mod in ROW_MODULES:
         for n in WIDTHS:
-            cases += [(f"{label} fp16", job) for label, job in mod.aot_jobs(n, torch.float16)]
-    cases += [(f"{label} bf16", job) for label, job in rms_mod.aot_jobs(8192, torch.bfloat16)]
-    cases += [(f"{label} bf16", job) for label, job in softmax_mod.aot_jobs(16384, torch.bfloat16)]
-    cases += [(f"{label} fp32", job) for n in (8192, 16384) for label, job in ln_mod.aot_jobs(n, torch.float32)]
-    cases += [(f"{label} fp16", job) for label, job in rms_mod.aot_jobs(65536, torch.float16)]
+            cases += [(f"{label} fp16", job) for label, job in mod.launch_jobs(n, torch.float16)]
+    cases += [(f"{label} bf16", job) for label, job in rms_mod.launch_jobs(8192, torch.bfloat16)]
+    cases += [(f"{label} bf16", job) for label, job in softmax_mod.launch_jobs(16384, torch.bfloat16)]
+    cases += [(f"{label} fp32", job) for n in (8192, 16384) for label, job in ln_mod.launch_jobs(n, torch.float32)]
+    cases += [(f"{label} fp16", job) for label, job in rms_mod.launch_jobs(65536, torch.float16)]
     # The GLU kernels are elementwise over (tokens x hidden): one launch for every width.
-    cases += [(f"{label} fp16", job) for label, job in glu_mod.aot_jobs(torch.float16)]
+    cases += [(f"{label} fp16", job) for label, job in glu_mod.launch_jobs(torch.float16)]
     return cases
 
 
 def _broken_cases() -> list[tuple[str, TritonJob]]:
-    """The old launch rule (whole row in one block, warps = BLOCK // 256 capped at 8), and the old
-    int32 add+RMSNorm forward."""
-    fwd_jobs = dict(rms_mod.aot_jobs(4096, torch.float16))
-    fwd, bwd = fwd_jobs["rms_norm fwd 4096"], fwd_jobs["rms_norm bwd 4096"]
-    old_fwd = TritonJob(fwd.kernel, fwd.signature, constexprs={**fwd.constexprs, "BLOCK_R": 1, "BLOCK_N": 32768},
-                        num_warps=8)
-    old_bwd = TritonJob(bwd.kernel, bwd.signature, constexprs={**bwd.constexprs, "BLOCK_R": 1, "BLOCK_N": 16384},
-                        num_warps=8)
-    arn = dict(arn_mod.aot_jobs(4096, torch.float16))["add_rms_norm fwd 4096"]
+    """The old launch rule (whole row in one block, warps = BLOCK // 256 capped at 8) at 16384
+    columns, as a launch; and the old int32 add+RMSNorm forward (its launch's job, with the kernel
+    swapped). The old rule's forward at 32768 takes 250 registers and does not spill once the launch
+    specialises its sizes, so the backward is the launch that shows the check can fail."""
+    old_bwd = rms_mod.launch_jobs(16384, bwd=RowLaunch(1, 16384, 8, 1))[1][1]
+    arn = dict(arn_mod.launch_jobs(4096, torch.float16))["add_rms_norm fwd 4096"]
     int32 = TritonJob(_add_rms_norm_int32_rows_kernel, arn.signature, constexprs=arn.constexprs,
-                      num_warps=arn.num_warps)
-    return [("old rms_norm fwd 32768, 8 warps", old_fwd), ("old rms_norm bwd 16384, 8 warps", old_bwd),
-            ("old add_rms_norm fwd, int32 rows", int32)]
+                      num_warps=arn.num_warps, attrs=arn.attrs)
+    return [("old rms_norm bwd 16384, 8 warps", old_bwd), ("old add_rms_norm fwd, int32 rows", int32)]
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +118,13 @@ def test_launch_rule_grows_warps_and_splits_wide_rows():
     assert [row_launch(n, torch.float16).num_warps for n in (1024, 4096, 8192, 16384)] == [2, 8, 16, 32]
     assert row_launch(16384, torch.float16).one_block and not row_launch(16385, torch.float16).one_block
     assert row_launch(65536, torch.float16).col_blocks == 4
-    assert [row_launch(n, torch.float16, BACKWARD).num_warps for n in (4096, 8192)] == [16, 16]
-    assert row_launch(8192, torch.float16, BACKWARD).col_blocks == 2
+    assert [row_launch(n, torch.float16, BACKWARD).num_warps for n in (4096, 8192, 16384)] == [16, 32, 32]
+    assert row_launch(8192, torch.float16, BACKWARD).one_block                # Llama 2/3 70B: 3 passes, not 5
+    assert row_launch(16384, torch.float16, BACKWARD).col_blocks == 2
     assert row_launch(300, torch.float32, n_rows=50).block_r == 8          # short rows share a program
-    assert FORWARD.max_block == 16384 and BACKWARD.max_block == 4096
+    assert FORWARD.max_block == 16384 and BACKWARD.max_block == 8192
     assert row_launch(16384, torch.float32).col_blocks == 2                 # fp32: half the block
-    assert row_launch(4096, torch.float32, BACKWARD).col_blocks == 2
+    assert row_launch(8192, torch.float32, BACKWARD).col_blocks == 2      # fp32: half the block
 
 
 def test_no_spills_at_real_widths(builds):
@@ -136,17 +135,18 @@ def test_no_spills_at_real_widths(builds):
 
 
 def test_launches_compiled_are_the_launchers_own(builds):
-    """The warps compiled are the rule's: 32 warps for a 16384-wide forward, 16 for the backward."""
+    """The warps compiled are the rule's: 32 warps for a 16384-wide forward and for the backward's
+    blocks of 8192, 16 for a 4096-wide backward."""
     assert builds["rms_norm fwd 16384 fp16"][1].metadata["num_warps"] == 32
-    assert builds["rms_norm bwd 16384 dx fp16"][1].metadata["num_warps"] == 16
+    assert builds["rms_norm bwd 16384 dx fp16"][1].metadata["num_warps"] == 32
+    assert builds["rms_norm bwd 4096 fp16"][1].metadata["num_warps"] == 16
     assert builds["softmax fwd 4096 fp16"][1].metadata["num_warps"] == 8
 
 
 def test_broken_old_launches_spill(builds):
-    """The check can fail: the old whole-row launch spills at 32768 (forward) and 16384 (backward)."""
-    for label in ("old rms_norm fwd 32768, 8 warps", "old rms_norm bwd 16384, 8 warps"):
-        b = builds[label][1]
-        assert b.spills > 0 and b.metadata["stack_bytes"] > 0, label
+    """The check can fail: the old whole-row launch of the backward spills at 16384 columns."""
+    b = builds["old rms_norm bwd 16384, 8 warps"][1]
+    assert b.spills > 0 and b.metadata["stack_bytes"] > 0
 
 
 def test_row_offsets_are_64_bit(builds):

@@ -1,6 +1,6 @@
 """kernels.softmax.topk: softmax fused with top-k, the PyTorch pass and the Triton kernel, against
 torch.topk(torch.softmax(x)); the packed keys' order (ties, -inf, signed zeros); the kernel compiled
-ahead of time for sm_90a at vocabulary widths with its own launch (no spills); and
+ahead of time for sm_90a at vocabulary widths as its own launch's job (no spills); and
 kernels.softmax.log_softmax_ref against torch.log_softmax."""
 import kernels  # noqa: F401  (before triton)
 import pytest
@@ -142,21 +142,44 @@ def test_launch_rule():
 
 def test_vocabulary_widths_compile_without_spills():
     """Mistral-7B's 32000, Llama 3's 128256 and Qwen2.5-0.5B's 151936 columns, k in (1, 50, MAX_K),
-    fp16 and bf16, with the launcher's own choice (every width past 2048 columns gets the same launch,
-    and k is an argument: 50 and 64 share one kernel): no STL/LDL, no stack frame.
-    The same kernel at the softmax launch rule's 16384 columns and 32 warps (64 registers a thread)
-    spills, which shows the check can fail. One compile for all (about 20 s)."""
+    fp16 and bf16, each the job of the launcher's own launch over 64 rows (every width past 2048
+    columns gets the same launch, and k is an argument: 50 and 64 share one kernel): no STL/LDL, no
+    stack frame. The same kernel at the softmax launch rule's 16384 columns and 32 warps (64 registers
+    a thread) spills, which shows the check can fail. One compile for all (about 20 s)."""
     jobs = {}
     for n in (32000, 128256, 151936):
         for k in (1, 50, tk.MAX_K):
             for dtype in (torch.float16, torch.bfloat16):
-                jobs.setdefault((tk.topk_launch(n, k), dtype), tk.aot_job(n, k, dtype))
+                jobs.setdefault((tk.topk_launch(n, k), dtype), tk.launch_job(n, k, dtype))
     assert len(jobs) == 4                                                 # (block_k 2 or 64) x 2 dtypes
-    oversized = tk.aot_job(128256, tk.MAX_K, torch.float16, tk.TopkLaunch(block_n=16384, block_k=64, num_warps=32))
+    oversized = tk.launch_job(128256, tk.MAX_K, torch.float16,
+                              launch=tk.TopkLaunch(block_n=16384, block_k=64, num_warps=32))
     *builds, old = [b["sm90"] for b in compile_triton_many([*jobs.values(), oversized], archs=("sm90",))]
     for (lc, dtype), b in zip(jobs, builds):
         assert (b.spills, b.metadata["stack_bytes"]) == (0, 0), f"{lc} {dtype}: {b.spills} STL+LDL"
     assert old.spills > 0 and old.metadata["stack_bytes"] > 0
+
+
+def test_every_k_of_one_list_width_is_one_kernel_on_a_gpu():
+    """k is not specialised (do_not_specialize): a GPU launch with k = 50 and one with k = 64 compile
+    the same kernel, and k = 1 stays an argument instead of becoming a constant; the strides and the
+    row length, divisible by 16, carry Triton's hint as in any launch."""
+    spec = {k: tk.launch_job(128256, k).spec() for k in (33, 50, 64)}
+    assert spec[33] == spec[50] == spec[64]
+    one = tk.launch_job(128256, 1)
+    assert "k: i32\n" in one.specialization() + "\n" and "n_cols: i32 %16" in one.specialization()
+    assert one.signature["k"] == "i32" and one.grid == (64,)
+
+
+def test_compile_jobs_are_the_launch_at_llama3_vocabulary():
+    """compile_jobs(): the launches of sampling from 128256 columns, 64 rows a batch, k = 1 and 50."""
+    jobs = tk.compile_jobs()
+    assert len(jobs) == 2
+    for label, job in jobs.items():
+        assert job.attrs and job.grid == (64,), label
+        assert job.constexprs["BLOCK_N"] == tk.MAX_BLOCK and job.num_warps == tk.MAX_WARPS, label
+        assert "stride_x: i32 %16" in job.specialization(), label
+    assert [job.constexprs["BLOCK_K"] for job in jobs.values()] == [2, 64]
 
 
 # ---------------------------------------------------------------------------------------------- log-softmax

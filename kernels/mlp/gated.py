@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.rows import RowBudget, check_block_size, triton_type, warps_for
+from kernels.rows import RowBudget, check_block_size, warps_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -191,22 +191,41 @@ def launch(block_size: int | None = None, *, on_gpu: bool | None = None) -> tupl
     return block, warps_for(block, GLU_BUDGET)
 
 
-def aot_jobs(dtype: torch.dtype) -> list:
-    """``(label, TritonJob)`` for the forward and backward of each activation with the GPU launch."""
-    from kernels.inspect import TritonJob
+def _forward_args(g, u, h, activation: str, block: int, warps: int):
+    """(grid, args, kwargs) of the forward launch over the flattened tensors; shared by the launcher
+    and :func:`launch_jobs`."""
+    n = g.numel()
+    return (triton.cdiv(n, block),), (g, u, h, n), dict(ACTIVATION=activation, BLOCK=block, num_warps=warps)
 
-    t = triton_type(dtype)
+
+def _backward_args(g, u, dh, dgate, dup, activation: str, block: int, warps: int):
+    """(grid, args, kwargs) of the backward launch; shared by the launcher and :func:`launch_jobs`."""
+    n = g.numel()
+    return ((triton.cdiv(n, block),), (g, u, dh, dgate, dup, n),
+            dict(ACTIVATION=activation, BLOCK=block, num_warps=warps))
+
+
+def launch_jobs(dtype: torch.dtype = torch.float16, tokens: int = 4096, hidden: int = 14336) -> list:
+    """``(label, TritonJob)`` of the forward and backward launches each activation makes on a GPU for
+    (tokens, hidden) gate and up tensors (Llama-3-8B's 14336 by default), on meta tensors
+    (:func:`kernels.inspect.launch_job`: Triton's own specialisation of the launch's arguments)."""
+    from kernels import inspect as ki
+
+    g = torch.empty(tokens, hidden, dtype=dtype, device="meta")        # (tokens, hidden): gate, up, h alike
     block, warps = launch(on_gpu=True)
     jobs = []
     for act in ACTIVATIONS:
-        jobs.append((f"glu fwd {act}", TritonJob(
-            _glu_fwd_kernel, {"gate_ptr": f"*{t}", "up_ptr": f"*{t}", "h_ptr": f"*{t}", "n": "i32"},
-            constexprs={"ACTIVATION": act, "BLOCK": block}, num_warps=warps)))
-        jobs.append((f"glu bwd {act}", TritonJob(
-            _glu_bwd_kernel, {"gate_ptr": f"*{t}", "up_ptr": f"*{t}", "dh_ptr": f"*{t}", "dgate_ptr": f"*{t}",
-                              "dup_ptr": f"*{t}", "n": "i32"},
-            constexprs={"ACTIVATION": act, "BLOCK": block}, num_warps=warps)))
+        grid, args, kwargs = _forward_args(g, g, g, act, block, warps)
+        jobs.append((f"glu fwd {act}", ki.launch_job(_glu_fwd_kernel, *args, grid=grid, **kwargs)))
+        grid, args, kwargs = _backward_args(g, g, g, g, g, act, block, warps)
+        jobs.append((f"glu bwd {act}", ki.launch_job(_glu_bwd_kernel, *args, grid=grid, **kwargs)))
     return jobs
+
+
+def compile_jobs() -> dict:
+    """Llama-3-8B's MLP (4096 tokens x 14336 hidden), fp16 and bf16: the forward and backward of every activation."""
+    return {f"Llama-3-8B 4096 x 14336 {str(dt).removeprefix('torch.')}: {label}": job
+            for dt in (torch.float16, torch.bfloat16) for label, job in launch_jobs(dt)}
 
 
 def _check(fn: str, gate, up) -> None:
@@ -233,7 +252,8 @@ class _GLU(torch.autograd.Function):
         n = g.numel()
         block, warps = launch(block_size)
         if n:
-            _glu_fwd_kernel[(triton.cdiv(n, block),)](g, u, h, n, ACTIVATION=activation, BLOCK=block, num_warps=warps)
+            grid, args, kwargs = _forward_args(g, u, h, activation, block, warps)
+            _glu_fwd_kernel[grid](*args, **kwargs)
         ctx.save_for_backward(g, u)
         ctx.activation, ctx.block_size = activation, block_size
         return h
@@ -246,9 +266,8 @@ class _GLU(torch.autograd.Function):
         n = g.numel()
         block, warps = launch(ctx.block_size)
         if n:
-            _glu_bwd_kernel[(triton.cdiv(n, block),)](
-                g, u, dh, dgate, dup, n, ACTIVATION=ctx.activation, BLOCK=block, num_warps=warps
-            )
+            grid, args, kwargs = _backward_args(g, u, dh, dgate, dup, ctx.activation, block, warps)
+            _glu_bwd_kernel[grid](*args, **kwargs)
         return dgate, dup, None, None
 
 

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from kernels.norm.common import check_norm_inputs
-from kernels.norm.rms_norm import aot_jobs as rms_norm_aot_jobs, backward_rows
-from kernels.rows import FORWARD, as_rows, check_block_size, row_launch, triton_type
+from kernels.norm.rms_norm import REAL_WIDTHS, backward_rows, launch_jobs as rms_norm_launch_jobs
+from kernels.rows import FORWARD, as_rows, check_block_size, row_launch
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
@@ -104,20 +104,10 @@ class _AddRMSNorm(torch.autograd.Function):
         h2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
-        w = weight if weight is not None else x2
-        strides = (x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0))
-        if n_rows and launch.one_block:
-            _add_rms_norm_fwd_kernel[(triton.cdiv(n_rows, launch.block_r),)](
-                x2, r2, w, h2, y2, rstd, n_rows, n, *strides, eps,
-                HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n,
-                num_warps=launch.num_warps,
-            )
-        elif n_rows:
-            _add_rms_norm_fwd_tiled_kernel[(n_rows,)](
-                x2, r2, w, h2, y2, rstd, n, *strides, eps,
-                HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-            )
+        if n_rows:
+            launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
+            kernel, grid, args, kwargs = _forward_args(x2, r2, weight, h2, y2, rstd, eps, launch)
+            kernel[grid](*args, **kwargs)
         ctx.save_for_backward(h2, weight, rstd)
         ctx.shape, ctx.block_size = x.shape, block_size
         ctx.residual_grad = residual_grad
@@ -136,25 +126,40 @@ class _AddRMSNorm(torch.autograd.Function):
         return dx, dx.clone(), dw, None, None, None
 
 
-def aot_jobs(n: int, dtype: torch.dtype, n_rows: int = 4096) -> list:
-    """``(label, TritonJob)`` for the forward that runs at width ``n`` and the RMSNorm backward it
-    reuses (with the residual gradient added), with the launchers' choices, for an AOT compile."""
-    from kernels.inspect import TritonJob
+def _forward_args(x2, r2, weight, h2, y2, rstd, eps: float, launch):
+    """(kernel, grid, args, kwargs) of the forward's launch on (rows, n) views: one block per row tile,
+    or two passes over blocks. Shared by the launcher and :func:`launch_jobs`."""
+    n_rows, n = x2.shape
+    w = weight if weight is not None else x2
+    strides = (x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0))
+    if launch.one_block:
+        return (_add_rms_norm_fwd_kernel, (triton.cdiv(n_rows, launch.block_r),),
+                (x2, r2, w, h2, y2, rstd, n_rows, n, *strides, eps),
+                dict(HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n,
+                     num_warps=launch.num_warps))
+    return (_add_rms_norm_fwd_tiled_kernel, (n_rows,), (x2, r2, w, h2, y2, rstd, n, *strides, eps),
+            dict(HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
 
-    t = triton_type(dtype)
-    fwd = row_launch(n, dtype, FORWARD, n_rows=n_rows)
-    sig = {"x_ptr": f"*{t}", "r_ptr": f"*{t}", "w_ptr": f"*{t}", "h_ptr": f"*{t}", "y_ptr": f"*{t}",
-           "rstd_ptr": "*fp32", "n": "i32", "stride_x": "i32", "stride_r": "i32", "stride_h": "i32",
-           "stride_y": "i32", "eps": "fp32"}
-    if fwd.one_block:
-        job = TritonJob(_add_rms_norm_fwd_kernel, {**sig, "n_rows": "i32"}, num_warps=fwd.num_warps,
-                        constexprs={"HAS_WEIGHT": True, "BLOCK_R": fwd.block_r, "BLOCK_N": fwd.block_n})
-    else:
-        job = TritonJob(_add_rms_norm_fwd_tiled_kernel, sig, num_warps=fwd.num_warps,
-                        constexprs={"HAS_WEIGHT": True, "BLOCK_N": fwd.block_n})
-    bwd = [(label.replace("rms_norm", "add_rms_norm"), j)
-           for label, j in rms_norm_aot_jobs(n, dtype, n_rows, add_dres=True) if " bwd " in label]
-    return [(f"add_rms_norm fwd {n}", job)] + bwd
+
+def launch_jobs(n: int, dtype: torch.dtype = torch.float16, n_rows: int = 4096, *, sms: int = 132) -> list:
+    """``(label, TritonJob)`` of the launches :func:`add_rms_norm` makes on a GPU of ``sms`` SMs for
+    ``n_rows`` rows of ``n`` features with a weight, on meta tensors: the fused forward, then the
+    RMSNorm backward it reuses with the residual gradient added (:func:`kernels.norm.rms_norm.launch_jobs`)."""
+    from kernels import inspect as ki
+
+    x2 = torch.empty(n_rows, n, dtype=dtype, device="meta")                   # (rows, n), as x, residual, h, y
+    rstd = torch.empty(n_rows, dtype=torch.float32, device="meta")
+    launch = row_launch(n, dtype, FORWARD, n_rows=n_rows)
+    kernel, grid, args, kwargs = _forward_args(x2, torch.empty_like(x2), torch.empty(n, dtype=dtype, device="meta"),
+                                               torch.empty_like(x2), torch.empty_like(x2), rstd, 1e-6, launch)
+    bwd = [(label.replace("rms_norm", "add_rms_norm"), job)
+           for label, job in rms_norm_launch_jobs(n, dtype, n_rows, add_dres=True, sms=sms) if " bwd " in label]
+    return [(f"add_rms_norm fwd {n}", ki.launch_job(kernel, *args, grid=grid, **kwargs))] + bwd
+
+
+def compile_jobs() -> dict:
+    """:func:`launch_jobs` at the widths of :data:`kernels.norm.rms_norm.REAL_WIDTHS`, 4096 tokens, fp16."""
+    return {f"{model} {label}, 4096 tokens": job for model, n in REAL_WIDTHS for label, job in launch_jobs(n)}
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,

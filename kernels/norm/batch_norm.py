@@ -200,14 +200,8 @@ def batch_norm(
             raise ValueError("batch_norm: pass both running_mean and running_var, or neither")
         mean = torch.empty(C, dtype=torch.float32, device=x.device)
         rstd = torch.empty(C, dtype=torch.float32, device=x.device)
-        update = running_mean is not None
-        block_l = min(triton.next_power_of_2(max(L, 1)), 1024)
-        block_n = max(1, min(triton.next_power_of_2(N), 4096 // block_l))
-        _batch_norm_stats_kernel[(C,)](
-            xc, mean, rstd, running_mean if update else mean, running_var if update else rstd,
-            N, C, L, float(eps), float(momentum),
-            UPDATE_RUNNING=update, BLOCK_N=block_n, BLOCK_L=block_l,
-        )
+        grid, args, kwargs = _stats_args(xc, mean, rstd, running_mean, running_var, eps, momentum)
+        _batch_norm_stats_kernel[grid](*args, **kwargs)
     else:
         if running_mean is None or running_var is None:
             raise ValueError("batch_norm: eval mode (training=False) needs running_mean and running_var")
@@ -216,10 +210,49 @@ def batch_norm(
     scale = rstd * (weight.float() if weight is not None else 1.0)          # (C,) fp32: O(C) work on the host side
     shift = (bias.float() if bias is not None else 0.0) - mean * scale
     y = torch.empty_like(xc)
-    total = xc.numel()
-    block = 1024 if runtime.runtime().on_gpu else 8192
-    if total:
-        _batch_norm_apply_kernel[(triton.cdiv(total, block),)](
-            xc, y, scale.contiguous(), shift.contiguous(), total, C, L, BLOCK=block,
-        )
+    if xc.numel():
+        grid, args, kwargs = _apply_args(xc, y, scale.contiguous(), shift.contiguous(),
+                                         block=1024 if runtime.runtime().on_gpu else 8192)
+        _batch_norm_apply_kernel[grid](*args, **kwargs)
     return y.view(x.shape)
+
+
+def _stats_args(xc, mean, rstd, running_mean, running_var, eps: float, momentum: float):
+    """(grid, args, kwargs) of the statistics launch over the contiguous (N, C, *) ``xc``, one program
+    per channel; running statistics updated when given. Shared by :func:`batch_norm` and :func:`compile_jobs`."""
+    N, C = xc.shape[0], xc.shape[1]
+    L = xc.numel() // max(N * C, 1)
+    update = running_mean is not None
+    block_l = min(triton.next_power_of_2(max(L, 1)), 1024)
+    block_n = max(1, min(triton.next_power_of_2(N), 4096 // block_l))
+    return ((C,), (xc, mean, rstd, running_mean if update else mean, running_var if update else rstd,
+                   N, C, L, float(eps), float(momentum)),
+            dict(UPDATE_RUNNING=update, BLOCK_N=block_n, BLOCK_L=block_l))
+
+
+def _apply_args(xc, y, scale, shift, *, block: int):
+    """(grid, args, kwargs) of the elementwise y = x * scale_c + shift_c launch over ``xc``."""
+    total, C = xc.numel(), xc.shape[1]
+    L = total // max(xc.shape[0] * C, 1)
+    return (triton.cdiv(total, block),), (xc, y, scale, shift, total, C, L), dict(BLOCK=block)
+
+
+# (label, shape) of BatchNorm inputs in a real convolutional network: ResNet-50's first BatchNorm (after
+# the 7x7 stem convolution) and its last (after the final 1x1 convolution), batch 32 at 224 x 224
+REAL_SHAPES = (("ResNet-50 stem", (32, 64, 112, 112)), ("ResNet-50 last block", (32, 2048, 7, 7)))
+
+
+def compile_jobs() -> dict:
+    """The launches of a training-mode :func:`batch_norm` with running statistics on a GPU (the apply
+    kernel in blocks of 1024) at :data:`REAL_SHAPES`, fp16, on meta tensors."""
+    from kernels import inspect as ki
+
+    jobs = {}
+    for label, shape in REAL_SHAPES:
+        x = torch.empty(shape, dtype=torch.float16, device="meta")
+        per_channel = [torch.empty(shape[1], dtype=torch.float32, device="meta") for _ in range(4)]
+        grid, args, kwargs = _stats_args(x, *per_channel, 1e-5, 0.1)            # mean, rstd, running mean, var
+        jobs[f"{label} {shape}: statistics"] = ki.launch_job(_batch_norm_stats_kernel, *args, grid=grid, **kwargs)
+        grid, args, kwargs = _apply_args(x, torch.empty_like(x), *per_channel[:2], block=1024)
+        jobs[f"{label} {shape}: apply"] = ki.launch_job(_batch_norm_apply_kernel, *args, grid=grid, **kwargs)
+    return jobs

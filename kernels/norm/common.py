@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.rows import RowLaunch, triton_type
+from kernels.rows import RowLaunch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -60,11 +60,13 @@ def check_norm_inputs(fn: str, x, **params) -> int:
     return n
 
 
-def backward_programs(n_tiles: int, col_blocks: int = 1) -> int:
+def backward_programs(n_tiles: int, col_blocks: int = 1, *, sms: int | None = None) -> int:
     """How many row groups share the backward's row tiles (each writes one row of partial sums);
-    with ``col_blocks`` column blocks per row, each group is that many programs."""
-    if runtime.runtime().on_gpu:
-        target = 4 * torch.cuda.get_device_properties(0).multi_processor_count // col_blocks
+    with ``col_blocks`` column blocks per row, each group is that many programs. ``sms`` names a
+    GPU's SM count (the AOT jobs: an H100's 132) instead of asking this machine."""
+    if sms is not None or runtime.runtime().on_gpu:
+        sms = sms if sms is not None else torch.cuda.get_device_properties(0).multi_processor_count
+        target = 4 * sms // col_blocks
         return max(1, min(n_tiles, target))
     return max(1, min(n_tiles, 4))  # the interpreter runs programs one after another: keep few
 
@@ -155,44 +157,53 @@ def tiled_backward(x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bo
     dev = x2.device
     c1 = torch.empty(n_rows, dtype=torch.float32, device=dev)
     c2 = torch.empty(n_rows, dtype=torch.float32, device=dev) if centered else c1
-    _norm_bwd_dots_kernel[(n_rows,)](
-        x2, weight if weight is not None else x2, g2, mean if centered else rstd, rstd, c1, c2,
-        n, x2.stride(0), g2.stride(0),
-        HAS_WEIGHT=weight is not None, CENTERED=centered, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-    )
     n_groups = backward_programs(n_rows, launch.col_blocks)
     dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=dev)
     dw_part = torch.zeros((n_groups, n), dtype=torch.float32, device=dev)
     db_part = torch.zeros((n_groups, n), dtype=torch.float32, device=dev)
-    _norm_bwd_tiled_kernel[(launch.col_blocks, n_groups)](
-        x2, weight if weight is not None else x2, g2, mean if centered else rstd, rstd, c1, c2,
-        g2 if dres2 is None else dres2, dx2, dw_part, db_part,
-        n_rows, n, x2.stride(0), g2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0),
-        HAS_WEIGHT=weight is not None, CENTERED=centered, ADD_DRES=dres2 is not None,
-        NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-    )
+    dots, tiled = _tiled_backward_args(x2, weight, g2, mean, rstd, c1, c2, dx2, dw_part, db_part, launch,
+                                       need_dw=need_dw, need_db=need_db, dres2=dres2)
+    for kernel, grid, args, kwargs in (dots, tiled):
+        kernel[grid](*args, **kwargs)
     return dx2, dw_part, db_part
 
 
-def tiled_backward_jobs(label: str, dtype: torch.dtype, launch: RowLaunch, *, centered: bool,
-                        add_dres: bool = False) -> list:
-    """``(label, TritonJob)`` for the two tiled backward kernels with ``launch``'s choices (AOT compiles)."""
-    from kernels.inspect import TritonJob
+def _tiled_backward_args(x2, weight, g2, mean, rstd, c1, c2, dx2, dw_part, db_part, launch: RowLaunch, *,
+                         need_dw: bool, need_db: bool, dres2=None):
+    """The two launches of :func:`tiled_backward`, each (kernel, grid, args, kwargs): the dots kernel,
+    then the (column blocks, row groups) kernel, the row groups being ``dw_part``'s rows. Shared by
+    the launcher and :func:`tiled_backward_launch_jobs`, so the AOT builds are the launches."""
+    n_rows, n = x2.shape
+    centered = mean is not None
+    w = weight if weight is not None else x2
+    dots = (_norm_bwd_dots_kernel, (n_rows,),
+            (x2, w, g2, mean if centered else rstd, rstd, c1, c2, n, x2.stride(0), g2.stride(0)),
+            dict(HAS_WEIGHT=weight is not None, CENTERED=centered, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+    tiled = (_norm_bwd_tiled_kernel, (launch.col_blocks, dw_part.shape[0]),
+             (x2, w, g2, mean if centered else rstd, rstd, c1, c2, g2 if dres2 is None else dres2, dx2, dw_part,
+              db_part, n_rows, n, x2.stride(0), g2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0)),
+             dict(HAS_WEIGHT=weight is not None, CENTERED=centered, ADD_DRES=dres2 is not None,
+                  NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+    return dots, tiled
 
-    t = triton_type(dtype)
-    ptrs = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "g_ptr": f"*{t}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-            "c1_ptr": "*fp32", "c2_ptr": "*fp32"}
-    dots = TritonJob(_norm_bwd_dots_kernel, {**ptrs, "n": "i32", "stride_x": "i32", "stride_g": "i32"},
-                     constexprs={"HAS_WEIGHT": True, "CENTERED": centered, "BLOCK_N": launch.block_n},
-                     num_warps=launch.num_warps)
-    tiled = TritonJob(_norm_bwd_tiled_kernel,
-                      {**ptrs, "dres_ptr": f"*{t}", "dx_ptr": f"*{t}", "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32",
-                       "n_rows": "i32", "n": "i32", "stride_x": "i32", "stride_g": "i32", "stride_dres": "i32",
-                       "stride_dx": "i32"},
-                      constexprs={"HAS_WEIGHT": True, "CENTERED": centered, "ADD_DRES": add_dres, "NEED_DW": True,
-                                  "NEED_DB": centered, "BLOCK_N": launch.block_n},
-                      num_warps=launch.num_warps)
-    return [(f"{label} dots", dots), (f"{label} dx", tiled)]
+
+def tiled_backward_launch_jobs(label: str, x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bool,
+                               need_db: bool, dres2=None, sms: int = 132, target: str = "sm90") -> list:
+    """``(label, TritonJob)`` of the two launches :func:`tiled_backward` makes on these (meta) tensors,
+    on a GPU of ``sms`` SMs: the jobs of real launches (:func:`kernels.inspect.launch_job`)."""
+    from kernels import inspect as ki
+
+    n_rows, n = x2.shape
+    c1 = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    c2 = torch.empty(n_rows, dtype=torch.float32, device=x2.device) if mean is not None else c1
+    groups = backward_programs(n_rows, launch.col_blocks, sms=sms)
+    dx2 = torch.empty_like(x2)
+    part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)
+    jobs = []
+    for name, (kernel, grid, args, kwargs) in zip(("dots", "dx"), _tiled_backward_args(
+            x2, weight, g2, mean, rstd, c1, c2, dx2, part, part, launch, need_dw=need_dw, need_db=need_db, dres2=dres2)):
+        jobs.append((f"{label} {name}", ki.launch_job(kernel, *args, target=target, grid=grid, **kwargs)))
+    return jobs
 
 
 @triton.jit
@@ -210,9 +221,43 @@ def _sum_partials_kernel(p_ptr, out_ptr, n_parts, n, BLOCK_P: tl.constexpr, BLOC
 
 def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sums of the contiguous (programs, n) fp32 ``partial``, returned in ``dtype``."""
+    out = torch.empty(partial.shape[1], dtype=dtype, device=partial.device)
+    grid, args, kwargs = _sum_partials_args(partial, out)
+    _sum_partials_kernel[grid](*args, **kwargs)
+    return out
+
+
+def _sum_partials_args(partial: torch.Tensor, out: torch.Tensor):
+    """(grid, args, kwargs) of :func:`sum_partials`' launch, shared with :func:`compile_jobs`."""
     n_parts, n = partial.shape
-    out = torch.empty(n, dtype=dtype, device=partial.device)
     block_n = min(triton.next_power_of_2(n), 1024)
     block_p = min(triton.next_power_of_2(n_parts), 64)
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](partial, out, n_parts, n, BLOCK_P=block_p, BLOCK_N=block_n)
-    return out
+    return (triton.cdiv(n, block_n),), (partial, out, n_parts, n), dict(BLOCK_P=block_p, BLOCK_N=block_n)
+
+
+def compile_jobs(n_rows: int = 4096, sms: int = 132) -> dict:
+    """The launches of the shared kernels at real widths over ``n_rows`` tokens on an H100 (132 SMs),
+    fp16, on meta tensors: the tiled backward (too wide for one backward block) of Llama-3-70B's
+    RMSNorm (8192) and of GPT-3 175B's LayerNorm (12288, three column blocks), and the weight
+    gradient's sum of the partial rows each backward leaves (:func:`backward_programs` of them)."""
+    from kernels import inspect as ki
+    from kernels.rows import BACKWARD, row_launch
+
+    jobs = {}
+    for label, n, centered in (("Llama-3-70B RMSNorm", 8192, False), ("GPT-3 175B LayerNorm", 12288, True)):
+        x2 = torch.empty(n_rows, n, dtype=torch.float16, device="meta")             # (rows, n)
+        w = torch.empty(n, dtype=torch.float16, device="meta")
+        stat = torch.empty(n_rows, dtype=torch.float32, device="meta")              # rstd (and mean)
+        launch = row_launch(n, x2.dtype, BACKWARD, n_rows=n_rows)
+        jobs.update(tiled_backward_launch_jobs(f"{label} bwd {n}, {n_rows} tokens", x2, w, torch.empty_like(x2),
+                                               stat if centered else None, stat, launch, need_dw=True,
+                                               need_db=centered, sms=sms))
+    for label, n in (("Llama-3-8B", 4096), ("Llama-3-70B", 8192)):
+        launch = row_launch(n, torch.float16, BACKWARD, n_rows=n_rows)
+        tiles = triton.cdiv(n_rows, launch.block_r) if launch.one_block else n_rows
+        partial = torch.empty(backward_programs(tiles, launch.col_blocks, sms=sms), n, dtype=torch.float32,
+                              device="meta")                                     # (row groups, n)
+        grid, args, kwargs = _sum_partials_args(partial, torch.empty(n, dtype=torch.float16, device="meta"))
+        jobs[f"{label} dw: sum of {partial.shape[0]} partial rows of {n}"] = ki.launch_job(
+            _sum_partials_kernel, *args, grid=grid, **kwargs)
+    return jobs

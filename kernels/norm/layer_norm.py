@@ -23,7 +23,7 @@ import triton.language as tl
 from kernels.norm.common import (
     backward_programs, check_norm_inputs, sum_partials, tiled_backward, wide,
 )
-from kernels.rows import BACKWARD, FORWARD, as_rows, check_block_size, row_launch, triton_type
+from kernels.rows import BACKWARD, FORWARD, as_rows, check_block_size, row_launch
 
 
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -205,20 +205,10 @@ class _LayerNorm(torch.autograd.Function):
         y2 = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
-        w, b = weight if weight is not None else x2, bias if bias is not None else x2
-        if n_rows and launch.one_block:
-            _layer_norm_fwd_kernel[(triton.cdiv(n_rows, launch.block_r),)](
-                x2, w, b, y2, mean, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps,
-                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-            )
-        elif n_rows:
-            _layer_norm_fwd_tiled_kernel[(n_rows,)](
-                x2, w, b, y2, mean, rstd, n, x2.stride(0), y2.stride(0), eps,
-                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-            )
+        if n_rows:
+            launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
+            kernel, grid, args, kwargs = _forward_args(x2, weight, bias, y2, mean, rstd, eps, launch)
+            kernel[grid](*args, **kwargs)
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.block_size = x.shape, block_size
@@ -244,50 +234,76 @@ class _LayerNorm(torch.autograd.Function):
         return dx2.view(ctx.x_shape), dw, db, None, None
 
 
+def _forward_args(x2, weight, bias, y2, mean, rstd, eps: float, launch):
+    """(kernel, grid, args, kwargs) of the forward's launch on (rows, n) views: one block per row tile,
+    or two passes over blocks. Shared by the launcher and :func:`launch_jobs`."""
+    n_rows, n = x2.shape
+    w, b = weight if weight is not None else x2, bias if bias is not None else x2
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    if launch.one_block:
+        return (_layer_norm_fwd_kernel, (triton.cdiv(n_rows, launch.block_r),),
+                (x2, w, b, y2, mean, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps),
+                dict(flags, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+    return (_layer_norm_fwd_tiled_kernel, (n_rows,), (x2, w, b, y2, mean, rstd, n, x2.stride(0), y2.stride(0), eps),
+            dict(flags, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+
+
 def _one_block_backward(x2, weight, g2, mean, rstd, launch, need_dw: bool, need_db: bool):
     """``(dx2, dw_part, db_part)`` from ``_layer_norm_bwd_kernel``, for rows that fit one block."""
     n_rows, n = x2.shape
-    n_tiles = triton.cdiv(n_rows, launch.block_r)
-    n_prog = backward_programs(n_tiles)
+    n_prog = backward_programs(triton.cdiv(n_rows, launch.block_r))
     dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
     dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
     db_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
-    _layer_norm_bwd_kernel[(n_prog,)](
-        x2, weight if weight is not None else x2, g2, mean, rstd, dx2, dw_part, db_part,
-        n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), n_tiles,
-        HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
-        BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-    )
+    kernel, grid, args, kwargs = _backward_args(x2, weight, g2, mean, rstd, dx2, dw_part, db_part, launch,
+                                                need_dw, need_db)
+    kernel[grid](*args, **kwargs)
     return dx2, dw_part, db_part
 
 
-def aot_jobs(n: int, dtype: torch.dtype, n_rows: int = 4096) -> list:
-    """``(label, TritonJob)`` for the kernels that run at width ``n``, with the launchers' own
-    choices (:func:`kernels.rows.row_launch`), for an ahead-of-time compile (:mod:`kernels.inspect`)."""
-    from kernels.inspect import TritonJob
-    from kernels.norm.common import tiled_backward_jobs
+def _backward_args(x2, weight, g2, mean, rstd, dx2, dw_part, db_part, launch, need_dw: bool, need_db: bool):
+    """(kernel, grid, args, kwargs) of the one-block backward, one program per row of ``dw_part``.
+    Shared by :func:`_one_block_backward` and :func:`launch_jobs`."""
+    n_rows, n = x2.shape
+    return (_layer_norm_bwd_kernel, (dw_part.shape[0],),
+            (x2, weight if weight is not None else x2, g2, mean, rstd, dx2, dw_part, db_part,
+             n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), triton.cdiv(n_rows, launch.block_r)),
+            dict(HAS_WEIGHT=weight is not None, NEED_DW=need_dw, NEED_DB=need_db,
+                 BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
 
-    t = triton_type(dtype)
-    fwd, bwd = row_launch(n, dtype, FORWARD, n_rows=n_rows), row_launch(n, dtype, BACKWARD, n_rows=n_rows)
-    ptrs = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "y_ptr": f"*{t}", "mean_ptr": "*fp32",
-            "rstd_ptr": "*fp32"}
-    scalars = {"n": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
-    if fwd.one_block:
-        job = TritonJob(_layer_norm_fwd_kernel, {**ptrs, "n_rows": "i32", **scalars}, num_warps=fwd.num_warps,
-                        constexprs={"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_R": fwd.block_r, "BLOCK_N": fwd.block_n})
-    else:
-        job = TritonJob(_layer_norm_fwd_tiled_kernel, {**ptrs, **scalars}, num_warps=fwd.num_warps,
-                        constexprs={"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_N": fwd.block_n})
-    jobs = [(f"layer_norm fwd {n}", job)]
+
+def launch_jobs(n: int, dtype: torch.dtype = torch.float16, n_rows: int = 4096, *, sms: int = 132) -> list:
+    """``(label, TritonJob)`` of the launches :func:`layer_norm` makes on a GPU of ``sms`` SMs (an H100's
+    132) for ``n_rows`` rows of ``n`` features with weight and bias, forward then backward, on meta
+    tensors (:func:`kernels.inspect.launch_job`: Triton's own specialisation)."""
+    from kernels import inspect as ki
+    from kernels.norm.common import tiled_backward_launch_jobs
+
+    fwd = row_launch(n, dtype, FORWARD, n_rows=n_rows)
+    bwd = row_launch(n, dtype, BACKWARD, n_rows=n_rows)
+    x2 = torch.empty(n_rows, n, dtype=dtype, device="meta")                   # (rows, n), contiguous
+    w = torch.empty(n, dtype=dtype, device="meta")
+    mean, rstd = (torch.empty(n_rows, dtype=torch.float32, device="meta") for _ in range(2))
+    kernel, grid, args, kwargs = _forward_args(x2, w, w, torch.empty_like(x2), mean, rstd, 1e-5, fwd)
+    jobs = [(f"layer_norm fwd {n}", ki.launch_job(kernel, *args, grid=grid, **kwargs))]
+    g2 = torch.empty_like(x2)
     if not bwd.one_block:
-        return jobs + tiled_backward_jobs(f"layer_norm bwd {n}", dtype, bwd, centered=True)
-    sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "g_ptr": f"*{t}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-           "dx_ptr": f"*{t}", "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "n_rows": "i32", "n": "i32",
-           "stride_x": "i32", "stride_g": "i32", "stride_dx": "i32", "n_tiles": "i32"}
-    return jobs + [(f"layer_norm bwd {n}", TritonJob(
-        _layer_norm_bwd_kernel, sig, num_warps=bwd.num_warps,
-        constexprs={"HAS_WEIGHT": True, "NEED_DW": True, "NEED_DB": True, "BLOCK_R": bwd.block_r,
-                    "BLOCK_N": bwd.block_n}))]
+        return jobs + tiled_backward_launch_jobs(f"layer_norm bwd {n}", x2, w, g2, mean, rstd, bwd, need_dw=True,
+                                                 need_db=True, sms=sms)
+    n_prog = backward_programs(triton.cdiv(n_rows, bwd.block_r), sms=sms)
+    part = torch.empty(n_prog, n, dtype=torch.float32, device="meta")         # (programs, n) partial sums
+    kernel, grid, args, kwargs = _backward_args(x2, w, g2, mean, rstd, torch.empty_like(x2), part, part, bwd,
+                                                True, True)
+    return jobs + [(f"layer_norm bwd {n}", ki.launch_job(kernel, *args, grid=grid, **kwargs))]
+
+
+# (label, hidden size) of real models' LayerNorm, over a batch of 4096 tokens
+REAL_WIDTHS = (("GPT-J-6B", 4096), ("Falcon-40B", 8192), ("GPT-3 175B", 12288))
+
+
+def compile_jobs() -> dict:
+    """The forward and backward launches of :func:`layer_norm` at :data:`REAL_WIDTHS`, 4096 tokens, fp16."""
+    return {f"{model} {label}, 4096 tokens": job for model, n in REAL_WIDTHS for label, job in launch_jobs(n)}
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,

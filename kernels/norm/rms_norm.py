@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels.norm.common import (
     backward_programs, check_norm_inputs, sum_partials, tiled_backward, wide,
 )
-from kernels.rows import BACKWARD, FORWARD, as_rows, check_block_size, row_launch, triton_type
+from kernels.rows import BACKWARD, FORWARD, as_rows, check_block_size, row_launch
 
 
 def _eps(x: torch.Tensor, eps: float | None) -> float:
@@ -169,20 +169,36 @@ class _RMSNorm(torch.autograd.Function):
         return dx2.view(ctx.x_shape), dw, None, None
 
 
-def forward_rows(x2, weight, y2, rstd, eps: float, launch) -> None:
-    """Launch the forward on (rows, n) views: one block per row tile, or two passes over blocks."""
+def _forward_args(x2, weight, y2, rstd, eps: float, launch):
+    """(kernel, grid, args, kwargs) of the forward's launch on (rows, n) views: one block per row tile,
+    or two passes over blocks. Shared by :func:`forward_rows` and :func:`launch_jobs`."""
     n_rows, n = x2.shape
     w = weight if weight is not None else x2
     if launch.one_block:
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, launch.block_r),)](
-            x2, w, y2, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps,
-            HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-        )
-    else:
-        _rms_norm_fwd_tiled_kernel[(n_rows,)](
-            x2, w, y2, rstd, n, x2.stride(0), y2.stride(0), eps,
-            HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-        )
+        return (_rms_norm_fwd_kernel, (triton.cdiv(n_rows, launch.block_r),),
+                (x2, w, y2, rstd, n_rows, n, x2.stride(0), y2.stride(0), eps),
+                dict(HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n,
+                     num_warps=launch.num_warps))
+    return (_rms_norm_fwd_tiled_kernel, (n_rows,), (x2, w, y2, rstd, n, x2.stride(0), y2.stride(0), eps),
+            dict(HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+
+
+def forward_rows(x2, weight, y2, rstd, eps: float, launch) -> None:
+    """Launch the forward on (rows, n) views: one block per row tile, or two passes over blocks."""
+    kernel, grid, args, kwargs = _forward_args(x2, weight, y2, rstd, eps, launch)
+    kernel[grid](*args, **kwargs)
+
+
+def _backward_args(x2, weight, rstd, g2, dx2, dw_part, need_dw: bool, dres2, launch):
+    """(kernel, grid, args, kwargs) of the one-block backward, one program per row of ``dw_part``.
+    Shared by :func:`backward_rows` and :func:`launch_jobs`."""
+    n_rows, n = x2.shape
+    n_tiles = triton.cdiv(n_rows, launch.block_r)
+    return (_rms_norm_bwd_kernel, (dw_part.shape[0],),
+            (x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2 if dres2 is None else dres2,
+             n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0 if dres2 is None else dres2.stride(0), n_tiles),
+            dict(HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=dres2 is not None,
+                 BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
 
 
 def backward_rows(x2, weight, rstd, g2, need_dw: bool, dres2=None, *, block_size: int | None = None):
@@ -200,47 +216,50 @@ def backward_rows(x2, weight, rstd, g2, need_dw: bool, dres2=None, *, block_size
         dx2, dw_part, _ = tiled_backward(x2, weight, g2, None, rstd, launch, need_dw=need_dw, need_db=False,
                                          dres2=dres2)
         return dx2, (sum_partials(dw_part, x2.dtype) if need_dw else None)
-    n_tiles = triton.cdiv(n_rows, launch.block_r)
-    n_prog = backward_programs(n_tiles)
+    n_prog = backward_programs(triton.cdiv(n_rows, launch.block_r))
     dx2 = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
     dw_part = torch.zeros((n_prog, n), dtype=torch.float32, device=x2.device)
-    _rms_norm_bwd_kernel[(n_prog,)](
-        x2, weight if weight is not None else x2, g2, rstd, dx2, dw_part, g2 if dres2 is None else dres2,
-        n_rows, n, x2.stride(0), g2.stride(0), dx2.stride(0), 0 if dres2 is None else dres2.stride(0), n_tiles,
-        HAS_WEIGHT=weight is not None, NEED_DW=need_dw, ADD_DRES=dres2 is not None,
-        BLOCK_R=launch.block_r, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-    )
+    kernel, grid, args, kwargs = _backward_args(x2, weight, rstd, g2, dx2, dw_part, need_dw, dres2, launch)
+    kernel[grid](*args, **kwargs)
     return dx2, (sum_partials(dw_part, x2.dtype) if need_dw else None)
 
 
-def aot_jobs(n: int, dtype: torch.dtype, n_rows: int = 4096, *, add_dres: bool = False) -> list:
-    """``(label, TritonJob)`` for the kernels that run at width ``n``, with the launchers' own
-    choices (:func:`kernels.rows.row_launch`), for an ahead-of-time compile (:mod:`kernels.inspect`)."""
-    from kernels.inspect import TritonJob
-    from kernels.norm.common import tiled_backward_jobs
+def launch_jobs(n: int, dtype: torch.dtype = torch.float16, n_rows: int = 4096, *, add_dres: bool = False,
+                fwd=None, bwd=None, sms: int = 132, target: str = "sm90") -> list:
+    """``(label, TritonJob)`` of the launches :func:`rms_norm` makes on a GPU of ``sms`` SMs (an H100's
+    132) for ``n_rows`` rows of ``n`` features with a weight, forward then backward, on meta tensors
+    (:func:`kernels.inspect.launch_job`: Triton's own specialisation). ``add_dres`` adds the residual
+    gradient into dx, as :mod:`kernels.norm.add_rms_norm`'s backward does. ``fwd`` and ``bwd`` (a
+    :class:`kernels.rows.RowLaunch`) replace :func:`kernels.rows.row_launch`'s choices, to compile
+    another launch rule's launch."""
+    from kernels import inspect as ki
+    from kernels.norm.common import tiled_backward_launch_jobs
 
-    t = triton_type(dtype)
-    fwd, bwd = row_launch(n, dtype, FORWARD, n_rows=n_rows), row_launch(n, dtype, BACKWARD, n_rows=n_rows)
-    ptrs = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32"}
-    if fwd.one_block:
-        job = TritonJob(_rms_norm_fwd_kernel, {**ptrs, "n_rows": "i32", "n": "i32", "stride_x": "i32",
-                                               "stride_y": "i32", "eps": "fp32"},
-                        constexprs={"HAS_WEIGHT": True, "BLOCK_R": fwd.block_r, "BLOCK_N": fwd.block_n},
-                        num_warps=fwd.num_warps)
-    else:
-        job = TritonJob(_rms_norm_fwd_tiled_kernel, {**ptrs, "n": "i32", "stride_x": "i32", "stride_y": "i32",
-                                                     "eps": "fp32"},
-                        constexprs={"HAS_WEIGHT": True, "BLOCK_N": fwd.block_n}, num_warps=fwd.num_warps)
-    jobs = [(f"rms_norm fwd {n}", job)]
+    fwd = fwd or row_launch(n, dtype, FORWARD, n_rows=n_rows)
+    bwd = bwd or row_launch(n, dtype, BACKWARD, n_rows=n_rows)
+    x2 = torch.empty(n_rows, n, dtype=dtype, device="meta")                   # (rows, n), contiguous
+    w = torch.empty(n, dtype=dtype, device="meta")
+    rstd = torch.empty(n_rows, dtype=torch.float32, device="meta")
+    kernel, grid, args, kwargs = _forward_args(x2, w, torch.empty_like(x2), rstd, 1e-5, fwd)
+    jobs = [(f"rms_norm fwd {n}", ki.launch_job(kernel, *args, target=target, grid=grid, **kwargs))]
+    g2 = torch.empty_like(x2)
+    dres2 = torch.empty_like(x2) if add_dres else None
     if not bwd.one_block:
-        return jobs + tiled_backward_jobs(f"rms_norm bwd {n}", dtype, bwd, centered=False, add_dres=add_dres)
-    sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "g_ptr": f"*{t}", "rstd_ptr": "*fp32", "dx_ptr": f"*{t}",
-           "dw_part_ptr": "*fp32", "dres_ptr": f"*{t}", "n_rows": "i32", "n": "i32", "stride_x": "i32",
-           "stride_g": "i32", "stride_dx": "i32", "stride_dres": "i32", "n_tiles": "i32"}
-    return jobs + [(f"rms_norm bwd {n}", TritonJob(
-        _rms_norm_bwd_kernel, sig, num_warps=bwd.num_warps,
-        constexprs={"HAS_WEIGHT": True, "NEED_DW": True, "ADD_DRES": add_dres, "BLOCK_R": bwd.block_r,
-                    "BLOCK_N": bwd.block_n}))]
+        return jobs + tiled_backward_launch_jobs(f"rms_norm bwd {n}", x2, w, g2, None, rstd, bwd, need_dw=True,
+                                                 need_db=False, dres2=dres2, sms=sms, target=target)
+    n_prog = backward_programs(triton.cdiv(n_rows, bwd.block_r), sms=sms)
+    dw_part = torch.empty(n_prog, n, dtype=torch.float32, device="meta")      # (programs, n) partial sums
+    kernel, grid, args, kwargs = _backward_args(x2, w, rstd, g2, torch.empty_like(x2), dw_part, True, dres2, bwd)
+    return jobs + [(f"rms_norm bwd {n}", ki.launch_job(kernel, *args, target=target, grid=grid, **kwargs))]
+
+
+# (label, hidden size) of real models' RMSNorm, over a batch of 4096 tokens
+REAL_WIDTHS = (("Llama-3-8B", 4096), ("Llama-3-70B", 8192), ("Llama-3-405B", 16384))
+
+
+def compile_jobs() -> dict:
+    """The forward and backward launches of :func:`rms_norm` at :data:`REAL_WIDTHS`, 4096 tokens, fp16."""
+    return {f"{model} {label}, 4096 tokens": job for model, n in REAL_WIDTHS for label, job in launch_jobs(n)}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None, *,

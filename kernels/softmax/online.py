@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.rows import FORWARD, RowLaunch, as_rows, check_block_size, row_launch, triton_type
+from kernels.rows import FORWARD, RowLaunch, as_rows, check_block_size, row_launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The launch comes from kernels.rows.row_launch: a row of at most FORWARD.max_block elements is held
@@ -249,15 +249,21 @@ def _forward_rows(x2: torch.Tensor, block_size: int | None) -> torch.Tensor:
     y2 = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     if n_rows == 0 or n_cols == 0:
         return y2
-    lc = launch(n_rows, n_cols, x2.dtype, block_size)
-    if lc.one_block:
-        grid = (triton.cdiv(n_rows, lc.block_r),)
-        _softmax_kernel[grid](x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0), BLOCK_R=lc.block_r,
-                              BLOCK_N=lc.block_n, num_warps=lc.num_warps)
-    else:
-        _softmax_online_kernel[(n_rows,)](x2, y2, n_cols, x2.stride(0), y2.stride(0), BLOCK_N=lc.block_n,
-                                         num_warps=lc.num_warps)
+    kernel, grid, args, kwargs = _forward_args(x2, y2, launch(n_rows, n_cols, x2.dtype, block_size))
+    kernel[grid](*args, **kwargs)
     return y2
+
+
+def _forward_args(x2: torch.Tensor, y2: torch.Tensor, lc: RowLaunch):
+    """(kernel, grid, args, kwargs) of the forward's launch on (rows, n) views: whole rows in one block,
+    or the online kernel over blocks. Shared by the launcher and :func:`launch_jobs`."""
+    n_rows, n_cols = x2.shape
+    if lc.one_block:
+        return (_softmax_kernel, (triton.cdiv(n_rows, lc.block_r),),
+                (x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0)),
+                dict(BLOCK_R=lc.block_r, BLOCK_N=lc.block_n, num_warps=lc.num_warps))
+    return (_softmax_online_kernel, (n_rows,), (x2, y2, n_cols, x2.stride(0), y2.stride(0)),
+            dict(BLOCK_N=lc.block_n, num_warps=lc.num_warps))
 
 
 def _backward_rows(y2: torch.Tensor, g2: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -265,33 +271,47 @@ def _backward_rows(y2: torch.Tensor, g2: torch.Tensor, block_size: int | None) -
     dx2 = torch.empty((n_rows, n_cols), dtype=y2.dtype, device=y2.device)
     if n_rows == 0 or n_cols == 0:
         return dx2
-    lc = launch(n_rows, n_cols, y2.dtype, block_size)
-    _softmax_bwd_kernel[(triton.cdiv(n_rows, lc.block_r),)](
-        y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0), BLOCK_R=lc.block_r,
-        BLOCK_N=lc.block_n, num_warps=lc.num_warps,
-    )
+    grid, args, kwargs = _backward_args(y2, g2, dx2, launch(n_rows, n_cols, y2.dtype, block_size))
+    _softmax_bwd_kernel[grid](*args, **kwargs)
     return dx2
 
 
-def aot_jobs(n_cols: int, dtype: torch.dtype, n_rows: int = 4096) -> list:
-    """``(label, TritonJob)`` for the forward and backward kernels that run at width ``n_cols``,
-    with the launchers' own choices (:func:`launch`), for an ahead-of-time compile (:mod:`kernels.inspect`)."""
-    from kernels.inspect import TritonJob
+def _backward_args(y2: torch.Tensor, g2: torch.Tensor, dx2: torch.Tensor, lc: RowLaunch):
+    """(grid, args, kwargs) of the backward's launch, ``block_r`` rows a program. Shared by the
+    launcher and :func:`launch_jobs`."""
+    n_rows, n_cols = y2.shape
+    return ((triton.cdiv(n_rows, lc.block_r),),
+            (y2, g2, dx2, n_rows, n_cols, y2.stride(0), g2.stride(0), dx2.stride(0)),
+            dict(BLOCK_R=lc.block_r, BLOCK_N=lc.block_n, num_warps=lc.num_warps))
 
-    t = triton_type(dtype)
+
+def launch_jobs(n_cols: int, dtype: torch.dtype = torch.float16, n_rows: int = 4096) -> list:
+    """``(label, TritonJob)`` of the forward and backward launches :func:`softmax` makes for ``n_rows``
+    contiguous rows of ``n_cols``, on meta tensors (:func:`kernels.inspect.launch_job`: the
+    specialisation Triton's binder gives a GPU launch)."""
+    from kernels import inspect as ki
+
+    x2 = torch.empty(n_rows, n_cols, dtype=dtype, device="meta")           # (rows, n): x, y, g and dx alike
     lc = launch(n_rows, n_cols, dtype)
-    io = {"x_ptr": f"*{t}", "y_ptr": f"*{t}"}
-    if lc.one_block:
-        fwd = TritonJob(_softmax_kernel, {**io, "n_rows": "i32", "n_cols": "i32", "stride_x": "i32", "stride_y": "i32"},
-                        constexprs={"BLOCK_R": lc.block_r, "BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
-    else:
-        fwd = TritonJob(_softmax_online_kernel, {**io, "n_cols": "i32", "stride_x": "i32", "stride_y": "i32"},
-                        constexprs={"BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
-    bwd = TritonJob(_softmax_bwd_kernel,
-                    {"y_ptr": f"*{t}", "g_ptr": f"*{t}", "dx_ptr": f"*{t}", "n_rows": "i32", "n_cols": "i32",
-                     "stride_y": "i32", "stride_g": "i32", "stride_dx": "i32"},
-                    constexprs={"BLOCK_R": lc.block_r, "BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
+    kernel, grid, args, kwargs = _forward_args(x2, torch.empty_like(x2), lc)
+    fwd = ki.launch_job(kernel, *args, grid=grid, **kwargs)
+    grid, args, kwargs = _backward_args(x2, torch.empty_like(x2), torch.empty_like(x2), lc)
+    bwd = ki.launch_job(_softmax_bwd_kernel, *args, grid=grid, **kwargs)
     return [(f"softmax fwd {n_cols}", fwd), (f"softmax bwd {n_cols}", bwd)]
+
+
+# (label, row length, rows) of real models' softmaxes: one layer's attention scores at full context,
+# and the output distribution over Llama 3's vocabulary for a batch of 4096 tokens
+REAL_ROWS = (
+    ("LLaMA-2-7B scores, 32 heads x 4096 queries", 4096, 32 * 4096),
+    ("Llama-3-8B scores, 32 heads x 8192 queries", 8192, 32 * 8192),
+    ("Llama 3 vocabulary, 4096 tokens", 128256, 4096),
+)
+
+
+def compile_jobs() -> dict:
+    """The forward and backward launches of :func:`softmax` at :data:`REAL_ROWS`, fp16."""
+    return {f"{model}: {label}": job for model, n, rows in REAL_ROWS for label, job in launch_jobs(n, n_rows=rows)}
 
 
 class _Softmax(torch.autograd.Function):

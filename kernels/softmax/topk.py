@@ -20,7 +20,7 @@ Public interface:
 * :func:`softmax_topk` -- the Triton kernel, one program per row, any row length.
 
 * :func:`topk_launch` -- the kernel's block, key-list width and warps, used by the launcher and
-  by the ahead-of-time spill check (:func:`aot_job`).
+  by the ahead-of-time spill check (:func:`launch_job`).
 
 Both return ``(probs, indices)`` of shape ``(..., k)``, largest first, like
 ``torch.topk(torch.softmax(x, -1), k)``. The kernel breaks ties between equal logits towards the
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rows import as_rows, check_block_size, triton_type
+from kernels.rows import as_rows, check_block_size
 from kernels.softmax.online import _check_input, _wide, merge_softmax_stats, softmax_stats
 
 MAX_K = 64          # the running keys live in registers; the AOT test checks k = 64 at vocabulary widths
@@ -126,7 +126,7 @@ def _unpack(key):
     return bits.to(tl.float32, bitcast=True), 0x7FFFFFFF - (key & 0x7FFFFFFF)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k"])  # k a plain i32 on a GPU too: no variant for k = 1 or k % 16 == 0
 def _softmax_topk_kernel(
     x_ptr, p_ptr, i_ptr, n_cols, stride_x, k,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -175,19 +175,34 @@ def softmax_topk(x: torch.Tensor, k: int, *, block_size: int | None = None) -> t
     probs = torch.empty((n_rows, k), dtype=x.dtype, device=x.device)
     idx = torch.empty((n_rows, k), dtype=torch.int64, device=x.device)
     if n_rows:
-        lc = topk_launch(n_cols, k, block_size)
-        _softmax_topk_kernel[(n_rows,)](x2, probs, idx, n_cols, x2.stride(0), k, BLOCK_K=lc.block_k,
-                                        BLOCK_N=lc.block_n, num_warps=lc.num_warps)
+        grid, args, kwargs = _topk_args(x2, probs, idx, k, topk_launch(n_cols, k, block_size))
+        _softmax_topk_kernel[grid](*args, **kwargs)
     return probs.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k)
 
 
-def aot_job(n_cols: int, k: int, dtype: torch.dtype, launch: TopkLaunch | None = None):
-    """The :class:`kernels.inspect.TritonJob` of the kernel that runs for rows of ``n_cols`` of
-    ``dtype`` and ``k`` (the launcher's own :func:`topk_launch`, or ``launch`` to compile another)."""
-    from kernels.inspect import TritonJob
+def _topk_args(x2: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor, k: int, lc: TopkLaunch):
+    """(grid, args, kwargs) of :func:`softmax_topk`'s launch on the (rows, n) ``x2``, one program per row;
+    shared by the launcher and :func:`launch_job`."""
+    return ((x2.shape[0],), (x2, probs, idx, x2.shape[1], x2.stride(0), k),
+            dict(BLOCK_K=lc.block_k, BLOCK_N=lc.block_n, num_warps=lc.num_warps))
 
-    lc = launch or topk_launch(n_cols, k)
-    t = triton_type(dtype)
-    return TritonJob(_softmax_topk_kernel, {"x_ptr": f"*{t}", "p_ptr": f"*{t}", "i_ptr": "*i64", "n_cols": "i32",
-                                            "stride_x": "i32", "k": "i32"},
-                     constexprs={"BLOCK_K": lc.block_k, "BLOCK_N": lc.block_n}, num_warps=lc.num_warps)
+
+def launch_job(n_cols: int, k: int, dtype: torch.dtype = torch.float16, n_rows: int = 64,
+               launch: TopkLaunch | None = None):
+    """The :class:`kernels.inspect.TritonJob` of the launch :func:`softmax_topk` makes for ``n_rows``
+    contiguous rows of ``n_cols`` of ``dtype`` and ``k``, on meta tensors (:func:`kernels.inspect.launch_job`);
+    the launcher's own :func:`topk_launch`, or ``launch`` to compile another."""
+    from kernels import inspect as ki
+
+    x2 = torch.empty(n_rows, n_cols, dtype=dtype, device="meta")            # (rows, n)
+    probs = torch.empty(n_rows, k, dtype=dtype, device="meta")
+    idx = torch.empty(n_rows, k, dtype=torch.int64, device="meta")
+    grid, args, kwargs = _topk_args(x2, probs, idx, k, launch or topk_launch(n_cols, k))
+    return ki.launch_job(_softmax_topk_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """Sampling from Llama 3's vocabulary (128256) for a batch of 64 sequences, fp16: k = 1 (a running
+    list of 2) and k = 50 (the top-k Hugging Face's ``generate`` defaults to; a list of 64, the kernel
+    of every k from 33 to :data:`MAX_K`)."""
+    return {f"Llama 3 vocabulary 128256, batch 64, k={k}": launch_job(128256, k) for k in (1, 50)}
