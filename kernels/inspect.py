@@ -565,7 +565,7 @@ def compile_cuda(source: str | os.PathLike, *, arch: str | int, flags: tuple[str
 _TENSOR_CORE_SASS = {"HMMA", "IMMA", "QMMA", "HGMMA", "IGMMA", "QGMMA", "UTCHMMA", "UTCIMMA", "UTCQMMA",
                      "UTCOMMA", "UTCMMA", "OMMA"}
 
-_PTX_LINE = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+)*)[\s;]")
+_PTX_LINE = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+(?:X\b)?)*)[\s;]")
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 # PTX families that the course names by more than their first word, longest first.

@@ -1,0 +1,178 @@
+"""kernels/quant/microscaling.py: MX (OCP MX v1.0) and NVFP4 quantization checked against independent
+decoders (ml_dtypes' E8M0 and PyTorch's float8 types) and the specification's scale rule; the block-scaled
+matmul against dequantize-then-matmul on awkward shapes, a broken variant caught, bad input refused; the
+PTX parser for block-scaled tcgen05.mma."""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import kernels  # noqa: F401
+from kernels.quant import microscaling as mx
+from kernels.quant import minifloat as mf
+from kernels.testing import MismatchError, assert_close
+
+
+def test_e8m0_decode_matches_ml_dtypes():
+    codes = torch.arange(256, dtype=torch.uint8)
+    ours = mx.decode_e8m0(codes).numpy()
+    theirs = codes.numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    assert np.array_equal(np.isnan(ours), np.isnan(theirs)) and np.isnan(ours).sum() == 1
+    ok = ~np.isnan(theirs)
+    assert np.array_equal(ours[ok], theirs[ok])
+    with pytest.raises(TypeError, match="uint8"):
+        mx.decode_e8m0(torch.zeros(3))
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e2m1", "e2m3", "e3m2"])
+def test_scale_is_spec_rule_and_block_max_lands_in_top_binade(elem):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 128, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    codes, scales = mx.quantize_mx(x, elem)
+    f = mx.ELEMENTS[elem]
+    amax = x.double().reshape(6, 4, 32).abs().amax(-1)
+    want = torch.floor(torch.log2(amax)).long() - f.emax + 127          # floor(log2 amax) - emax + bias
+    assert torch.equal(scales.long(), want)
+    ratio = amax / mx.decode_e8m0(scales).double()
+    assert ((ratio >= 2.0 ** f.emax) & (ratio < 2.0 ** (f.emax + 1))).all()
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e2m1"])
+def test_mx_elements_are_rne_of_the_scaled_value(elem):
+    torch.manual_seed(2)
+    x = torch.distributions.StudentT(3.0).sample((4, 256)).float()
+    codes, scales = mx.quantize_mx(x, elem)
+    s = mx.decode_e8m0(scales).repeat_interleave(32, -1)
+    scaled = x / s                                                        # exact: s is a power of two
+    if elem == "e4m3":                                                    # PyTorch's own RNE cast, saturated
+        ref = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    else:                                                                 # nearest of the 15 E2M1 values, ties even
+        ref = scaled.clamp(-6, 6).numpy().astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+        ref = torch.from_numpy(ref)
+    assert torch.equal(mx.decode_elem(codes, elem), ref)
+    assert torch.equal(mx.dequantize_mx(codes, scales, elem), ref * s)
+
+
+def test_zero_block_and_ceil_variant_caught():
+    x = torch.zeros(1, 64)
+    x[0, 32:] = torch.linspace(-5, 7, 32)
+    codes, scales = mx.quantize_mx(x, "e2m1")
+    assert scales[0, 0] == 0 and (mx.dequantize_mx(codes, scales)[0, :32] == 0).all()
+    # ceil(log2(amax / 6)): a block with amax 7 gets scale 2 instead of 1 and loses resolution
+    _, bad = mx.quantize_mx(x, "e2m1", _rule="ceil")
+    assert not torch.equal(bad, scales)
+
+
+def test_nvfp4_scales_and_values():
+    torch.manual_seed(3)
+    x = torch.distributions.StudentT(3.0).sample((8, 256)).float()
+    codes, s_b, s_t = mx.quantize_nvfp4(x)
+    assert s_b.dtype == torch.float8_e4m3fn and s_b.shape == (8, 16) and s_t.dtype == torch.float32
+    assert abs(s_t.item() - x.abs().max().item() / (6 * 448)) <= 1e-7 * s_t.item()
+    want = (x.double().reshape(8, 16, 16).abs().amax(-1) / 6 / s_t.double()).float()
+    assert torch.equal(s_b, want.to(torch.float8_e4m3fn))                 # PyTorch's RNE cast
+    assert s_b.float().max() == 448                                       # the largest block uses E4M3's top
+    xh = mx.dequantize_nvfp4(codes, s_b, s_t)
+    err = (xh - x).abs().reshape(8, 16, 16)
+    step = (s_b.float() * s_t).reshape(8, 16, 1)                          # E2M1 spacing near the top is 2 s
+    assert (err <= step * 1.0 + 1e-6).all()
+
+
+def test_bits_per_element():
+    assert mx.bits_per_element("mxfp8") == 8.25
+    assert mx.bits_per_element("mxfp4") == 4.25
+    assert mx.bits_per_element("nvfp4") == 4.5
+
+
+def test_shared_scale_beats_per_tensor_on_heavy_tails():
+    torch.manual_seed(4)
+    x = torch.distributions.StudentT(2.5).sample((64, 512)).float()
+    x[3, 7] = 400.0                                                       # one outlier
+    rel = lambda xh: ((xh - x).norm() / x.norm()).item()
+    per_tensor = mf.fake_quantize(x.reshape(1, -1), "e2m1", x.numel()).reshape(x.shape)
+    assert rel(mx.fake_quantize(x, "mxfp4")) < 0.5 * rel(per_tensor)
+    assert rel(mx.fake_quantize(x, "nvfp4")) < rel(mx.fake_quantize(x, "mxfp4"))
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="multiple of"):
+        mx.quantize_mx(torch.zeros(2, 33))
+    with pytest.raises(ValueError, match="NaN"):
+        mx.quantize_nvfp4(torch.full((1, 16), float("nan")))
+    with pytest.raises(ValueError, match="elem must be"):
+        mx.quantize_mx(torch.zeros(1, 32), "e5m2")
+    with pytest.raises(ValueError, match="fmt must be"):
+        mx.quantize(torch.zeros(1, 32), "mxfp6_e2m3")
+    a = mx.quantize(torch.randn(4, 64), "mxfp4")
+    with pytest.raises(ValueError, match="K="):
+        mx.mx_matmul(a, mx.quantize(torch.randn(4, 128), "mxfp4"), "mxfp4")
+    with pytest.raises(ValueError, match="tuple"):
+        mx.mx_matmul(a, a[:1], "mxfp4")
+
+
+@pytest.mark.parametrize("fmt", mx.MATMUL_FORMATS)
+@pytest.mark.parametrize("M,N,K", [(1, 1, 64), (37, 45, 160), (70, 33, 96)])
+def test_matmul_matches_reference_and_broken_is_caught(fmt, M, N, K):
+    torch.manual_seed(M * 1000 + N)
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    vec = mx.FORMATS[fmt][1]
+    odd = (torch.arange(K) // vec) % 2                                    # odd blocks 16x larger: their scales differ
+    A = torch.distributions.StudentT(3.0).sample((M, K)).float() * 3 * 16.0 ** odd
+    B = torch.randn(N, K, generator=g) * 0.05
+    a, b = mx.quantize(A, fmt), mx.quantize(B, fmt)
+    ref = mx.mx_matmul_ref(mx.unpack(a, fmt), mx.unpack(b, fmt), fmt).float()
+    assert_close(mx.mx_matmul(a, b, fmt), ref, dtype=torch.float32)
+    if K >= 2 * mx.FORMATS[fmt][1]:                                       # two scale blocks to confuse
+        with pytest.raises(MismatchError):
+            assert_close(mx.mx_matmul(a, b, fmt, _broken=True), ref, dtype=torch.float32)
+
+
+def test_block_scaled_ptx_parser():
+    ptx = ("\ttcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X [%r1], %rd2, %rd3, %r4, [%r5], [%r6], p;\n"
+           "\ttcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.scale_vec::1X [%r1], %rd2, %rd3, %r4, [%r5], [%r6], p;\n"
+           "\ttcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, p;\n")
+    assert mx.block_scaled_mmas(ptx) == [("mxf4nvf4", "4X"), ("mxf8f6f4", "1X")]
+
+
+def test_inspect_counts_block_scaled_mma():
+    # kernels.inspect's PTX regex once dropped these lines: scale_vec::4X ends in an upper-case X
+    from kernels import inspect as ki
+    line = "\ttcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X [%r1], %rd2, %rd3, %r4, p;\n"
+    assert ki.instructions(line, "ptx") == {"tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X": 1}
+
+
+@pytest.fixture(scope="module")
+def builds():
+    from kernels import inspect as ki
+    jobs = mx.compile_jobs()
+    return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm100", "sm90"), errors="keep")))
+
+
+def test_compile_jobs_are_the_launch():
+    for label, job in mx.compile_jobs().items():
+        assert job.attrs and job.grid and job.programs >= 148, label        # launch_job; a B200 filled
+        assert not job.constexprs["DECODE"] and not job.constexprs["BROKEN"]
+
+
+def test_sm100_builds_one_block_scaled_mma_kind_per_format(builds):
+    from kernels import inspect as ki
+    want = {"mxfp8": (("mxf8f6f4", "1X"), "UTCQMMA"), "mxfp4": (("mxf4", "2X"), "UTCOMMA"),
+            "nvfp4": (("mxf4nvf4", "4X"), "UTCOMMA")}
+    for label, bb in builds.items():
+        fmt = label.rsplit(", ", 1)[1]
+        b = bb["sm100"]
+        assert not isinstance(b, Exception), (label, b)
+        assert b.spills == 0, label
+        assert set(mx.block_scaled_mmas(b.ptx)) == {want[fmt][0]}, label
+        assert b.tensor_core == want[fmt][1], label
+        assert not [o for o in ki.instructions(b.sass, "sass") if "HMMA" in o or "HGMMA" in o], label
+
+
+def test_sm90_has_no_block_scaled_mma(builds):
+    from kernels import inspect as ki
+    for label, bb in builds.items():
+        b = bb["sm90"]
+        if label.endswith("nvfp4"):                                           # refused by Triton's compiler
+            assert isinstance(b, ki.CompileError), label
+        else:                                                                 # upcast to bf16, then wgmma
+            assert not isinstance(b, Exception) and b.tensor_core == "HGMMA" and not mx.block_scaled_mmas(b.ptx)
