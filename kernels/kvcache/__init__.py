@@ -1,0 +1,1 @@
+"""The KV cache part: what a decode step keeps of the cache (eviction)."""
