@@ -195,10 +195,10 @@ def _check_options(name, label_smoothing, reduction) -> None:
 
 # Per-thread budget of the cross-entropy kernel (kernels.rows.RowBudget): it keeps four per-lane fp32
 # accumulators (max, sum of exponentials, sum of logits, target logit), each holding
-# BLOCK_V / (32 * num_warps) values per thread, plus one block of logits. Measured on sm_90a
-# (tests/test_loss.py compiles them): 8 values a thread, 2048 logits with 8 warps, need 48
-# registers; the former launch, 4096 logits with the default 4 warps (32 a thread), needs 255, the
-# hardware's limit, and 8192 with 4 warps spills. A vocabulary wider than the block is walked in
+# BLOCK_V / (32 * num_warps) values per thread, plus one block of logits. Measured on sm_90a at the
+# launch's own specialisation (tests/test_loss.py compiles aot_job): 8 values a thread, 2048 logits
+# with 8 warps, need 48 registers; the former launch, 4096 logits with the default 4 warps (32 a
+# thread), needs 248 of the 255 a thread may have, and 8192 with 4 warps spills. A vocabulary wider than the block is walked in
 # blocks (the kernel's loops), so the block does not grow with V.
 CE_BUDGET = rows.RowBudget(per_thread=8, max_block=2048)
 
@@ -210,21 +210,39 @@ def launch_config(V: int) -> tuple[int, int]:
     return block, rows.warps_for(block, CE_BUDGET)
 
 
-def aot_job(V: int, dtype: str = "fp32", *, block_v: int | None = None, num_warps: int | None = None,
-            int64_rows: bool = True, z_loss: bool = False, softcap: bool = False):
-    """The kernel as :func:`_ce_rows` launches it on a vocabulary of V with ``dtype`` logits
-    ("fp32", "bf16", "fp16"), as a :class:`kernels.inspect.TritonJob` for ahead-of-time compiling;
-    ``block_v``, ``num_warps`` and ``int64_rows`` override the launcher's choices (broken variants);
-    ``z_loss`` and ``softcap`` compile the kernel with those terms."""
-    from kernels.inspect import TritonJob
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _ce_args(x, t, loss, grad, ignore_index: int, smoothing: float, grad_scale: float, *, subtract_max: bool,
+             z_loss: float, softcap: float | None, block_v: int, num_warps: int, int64_rows: bool = True):
+    """(grid, args, kwargs) of the cross-entropy launch on logits x (N, V); shared by :func:`_ce_rows`
+    and :func:`aot_job`."""
+    N, V = x.shape
+    args = (x, t, loss, loss if grad is None else grad,     # the grad pointer is unused without WRITE_GRAD
+            V, x.stride(0), 0 if grad is None else grad.stride(0),
+            ignore_index, float(smoothing), float(grad_scale), float(z_loss), float(softcap or 1.0))
+    kwargs = dict(BLOCK_V=block_v, WRITE_GRAD=grad is not None, SUBTRACT_MAX=subtract_max, INT64_ROWS=int64_rows,
+                  Z_LOSS=z_loss > 0, SOFTCAP=softcap is not None, num_warps=num_warps)
+    return (N,), args, kwargs
+
+
+def aot_job(V: int, dtype: str = "fp32", *, n_rows: int = 4096, block_v: int | None = None,
+            num_warps: int | None = None, int64_rows: bool = True, z_loss: bool = False, softcap: bool = False):
+    """The launch :func:`_ce_rows` makes on ``n_rows`` rows of a vocabulary of V with ``dtype`` logits
+    ("fp32", "bf16", "fp16") and the gradient written in place, as a :class:`kernels.inspect.TritonJob`
+    built by :func:`kernels.inspect.launch_job` from meta tensors (Triton's own specialisation of the
+    launch); ``block_v``, ``num_warps`` and ``int64_rows`` override the launcher's choices (broken
+    variants); ``z_loss`` and ``softcap`` compile the kernel with those terms."""
+    from kernels import inspect as ki
 
     block, warps = launch_config(V)
-    signature = {"x_ptr": f"*{dtype}", "t_ptr": "*i64", "loss_ptr": "*fp32", "grad_ptr": f"*{dtype}", "V": "i32",
-                 "stride_xn": "i32", "stride_gn": "i32", "ignore_index": "i32", "smoothing": "fp32",
-                 "grad_scale": "fp32", "z_loss": "fp32", "cap": "fp32"}
-    constexprs = {"BLOCK_V": block_v or block, "WRITE_GRAD": True, "SUBTRACT_MAX": True, "INT64_ROWS": int64_rows,
-                  "Z_LOSS": z_loss, "SOFTCAP": softcap}
-    return TritonJob(_cross_entropy_kernel, signature, constexprs=constexprs, num_warps=num_warps or warps)
+    x = torch.empty(n_rows, V, dtype=_TORCH_DTYPES[dtype], device="meta")   # (N, V) logits, gradient in place
+    t = torch.empty(n_rows, dtype=torch.int64, device="meta")
+    loss = torch.empty(n_rows, dtype=torch.float32, device="meta")
+    grid, args, kwargs = _ce_args(x, t, loss, x, -100, 0.0, 1.0, subtract_max=True, z_loss=1e-4 if z_loss else 0.0,
+                                  softcap=30.0 if softcap else None, block_v=block_v or block,
+                                  num_warps=num_warps or warps, int64_rows=int64_rows)
+    return ki.launch_job(_cross_entropy_kernel, *args, grid=grid, **kwargs)
 
 
 def _ce_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: float, grad_scale: float,
@@ -239,13 +257,9 @@ def _ce_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, smoothing: flo
     loss = torch.empty(N, dtype=torch.float32, device=x.device)
     block_v, warps = launch_config(V)
     if N:
-        _cross_entropy_kernel[(N,)](
-            x, t, loss, loss if grad is None else grad,     # the grad pointer is unused without WRITE_GRAD
-            V, x.stride(0), 0 if grad is None else grad.stride(0),
-            ignore_index, float(smoothing), float(grad_scale), float(z_loss), float(softcap or 1.0),
-            BLOCK_V=block_v, WRITE_GRAD=grad is not None, SUBTRACT_MAX=subtract_max, INT64_ROWS=True,
-            Z_LOSS=z_loss > 0, SOFTCAP=softcap is not None, num_warps=warps,
-        )
+        grid, args, kwargs = _ce_args(x, t, loss, grad, ignore_index, smoothing, grad_scale, subtract_max=subtract_max,
+                                      z_loss=z_loss, softcap=softcap, block_v=block_v, num_warps=warps)
+        _cross_entropy_kernel[grid](*args, **kwargs)
     return loss
 
 
@@ -476,3 +490,13 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     return _FusedLinearCrossEntropy.apply(hidden, weight, target, int(ignore_index), float(label_smoothing),
                                           reduction, None if chunk_size is None else int(chunk_size), need_grad,
                                           terms)
+
+
+def compile_jobs() -> dict:
+    """The fused cross-entropy over 4096 tokens of Llama 2's (32000), Llama 3's (128256) and Qwen 2's
+    (151936) vocabularies, bf16 logits with the gradient in place, and Gemma 2's (256000) with its
+    z-loss and logit soft-capping compiled in."""
+    jobs = {f"cross-entropy V={V}, 4096 tokens, bf16": aot_job(V, "bf16") for V in (32_000, 128_256, 151_936)}
+    jobs["cross-entropy V=256000, 4096 tokens, bf16, z-loss + softcap"] = aot_job(256_000, "bf16", z_loss=True,
+                                                                                  softcap=True)
+    return jobs

@@ -66,13 +66,22 @@ def _gae_kernel(r_ptr, v_ptr, m_ptr, a_ptr, ret_ptr, B, T, gamma, lam,
         next_a = tl.where(real, a, next_a)
 
 
-def aot_job():
-    """The kernel as :func:`gae` launches it, for ahead-of-time compiling."""
-    from kernels.inspect import TritonJob
+def _gae_args(r, v, m, adv, ret, gamma: float, lam: float, bootstrap: bool):
+    """(grid, args, kwargs) of the GAE launch over (B, T), BLOCK_B sequences a program; shared by
+    :func:`gae` and :func:`aot_job`."""
+    B, T = r.shape
+    return ((triton.cdiv(B, BLOCK_B),), (r, v, m, adv, ret, B, T, float(gamma), float(lam)),
+            dict(BLOCK_B=BLOCK_B, BOOTSTRAP=bootstrap, num_warps=2))
 
-    sig = {"r_ptr": "*fp32", "v_ptr": "*fp32", "m_ptr": "*fp32", "a_ptr": "*fp32", "ret_ptr": "*fp32",
-           "B": "i32", "T": "i32", "gamma": "fp32", "lam": "fp32"}
-    return TritonJob(_gae_kernel, sig, constexprs={"BLOCK_B": BLOCK_B, "BOOTSTRAP": True}, num_warps=2)
+
+def aot_job(batch: int = 512, steps: int = 1024):
+    """The launch :func:`gae` makes for ``batch`` sequences of ``steps`` tokens, built from meta tensors
+    by :func:`kernels.inspect.launch_job` (Triton's own specialisation)."""
+    from kernels import inspect as ki
+
+    r = torch.empty(batch, steps, dtype=torch.float32, device="meta")      # (B, T): rewards, values, mask, outputs
+    grid, args, kwargs = _gae_args(r, r, r, r, r, 1.0, 0.95, True)
+    return ki.launch_job(_gae_kernel, *args, grid=grid, **kwargs)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95,
@@ -91,6 +100,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     B, T = r.shape
     adv, ret = torch.empty_like(r), torch.empty_like(r)
     if B and T:
-        _gae_kernel[(triton.cdiv(B, BLOCK_B),)](r, v, m, adv, ret, B, T, float(gamma), float(lam),
-                                                BLOCK_B=BLOCK_B, BOOTSTRAP=bootstrap, num_warps=2)
+        grid, args, kwargs = _gae_args(r, v, m, adv, ret, gamma, lam, bootstrap)
+        _gae_kernel[grid](*args, **kwargs)
     return adv, ret
+
+
+def compile_jobs() -> dict:
+    """GAE over 512 sequences of 1024 tokens (fp32)."""
+    return {"GAE, 512 sequences x 1024 tokens": aot_job(512, 1024)}

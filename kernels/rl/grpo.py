@@ -64,12 +64,21 @@ def _group_advantage_kernel(r_ptr, a_ptr, G, eps, BLOCK_G: tl.constexpr, SCALE: 
     tl.store(a_ptr + base + offs, a, mask=ok)
 
 
-def aot_job(group_size: int = 16):
-    """The advantage kernel as :func:`group_advantages` launches it, for ahead-of-time compiling."""
-    from kernels.inspect import TritonJob
+def _advantage_args(r, a, group_size: int, eps: float, scale: bool, center: bool):
+    """(grid, args, kwargs) of the advantage launch, one program per group; shared by
+    :func:`group_advantages` and :func:`aot_job`."""
+    return ((r.numel() // group_size,), (r, a, group_size, float(eps)),
+            dict(BLOCK_G=triton.next_power_of_2(group_size), SCALE=scale, CENTER=center, num_warps=1))
 
-    return TritonJob(_group_advantage_kernel, {"r_ptr": "*fp32", "a_ptr": "*fp32", "G": "i32", "eps": "fp32"},
-                     constexprs={"BLOCK_G": triton.next_power_of_2(group_size), "SCALE": True, "CENTER": True}, num_warps=1)
+
+def aot_job(group_size: int = 16, prompts: int = 512):
+    """The launch :func:`group_advantages` makes for ``prompts`` groups of ``group_size`` rewards, built
+    from meta tensors by :func:`kernels.inspect.launch_job` (Triton's own specialisation)."""
+    from kernels import inspect as ki
+
+    r = torch.empty(prompts * group_size, dtype=torch.float32, device="meta")   # (P * G,) rewards
+    grid, args, kwargs = _advantage_args(r, torch.empty_like(r), group_size, 1e-4, True, True)
+    return ki.launch_job(_group_advantage_kernel, *args, grid=grid, **kwargs)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-4,
@@ -85,8 +94,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tr
     a = torch.empty_like(r)
     P = r.numel() // group_size
     if P:
-        _group_advantage_kernel[(P,)](r, a, group_size, float(eps), BLOCK_G=triton.next_power_of_2(group_size),
-                                      SCALE=scale, CENTER=center, num_warps=1)
+        grid, args, kwargs = _advantage_args(r, a, group_size, eps, scale, center)
+        _group_advantage_kernel[grid](*args, **kwargs)
     return a
 
 
@@ -194,3 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def compile_jobs() -> dict:
+    """DeepSeekMath's GRPO group of 64 samples and a group of 16, for 512 prompts."""
+    return {f"group advantages, {P} prompts x G={G}": aot_job(G, P) for G, P in ((16, 512), (64, 512))}

@@ -62,15 +62,24 @@ def _logprob_grad_kernel(
         tl.store(z_row + v, (g * d).to(z_ptr.dtype.element_ty), mask=ok)
 
 
-def aot_job(V: int, dtype: str = "fp32"):
-    """The gradient kernel as :func:`_grad_rows` launches it on a vocabulary of V, for AOT compiling."""
-    from kernels.inspect import TritonJob
-
+def _grad_args(z, t, lse, g, one_hot: bool):
+    """(grid, args, kwargs) of the gradient launch on z (n, V); shared by :func:`_grad_rows` and :func:`aot_job`."""
+    n, V = z.shape
     block, warps = launch_config(V)
-    signature = {"z_ptr": f"*{dtype}", "t_ptr": "*i64", "lse_ptr": "*fp32", "g_ptr": "*fp32",
-                 "V": "i32", "stride_zn": "i32"}
-    return TritonJob(_logprob_grad_kernel, signature, constexprs={"BLOCK_V": block, "ONE_HOT": True},
-                     num_warps=warps)
+    return (n,), (z, t, lse, g, V, z.stride(0)), dict(BLOCK_V=block, ONE_HOT=one_hot, num_warps=warps)
+
+
+def aot_job(V: int, dtype: str = "fp32", n_rows: int = 4096):
+    """The gradient launch :func:`_grad_rows` makes on ``n_rows`` rows of a vocabulary of V, built from
+    meta tensors by :func:`kernels.inspect.launch_job` (Triton's own specialisation of the launch)."""
+    from kernels import inspect as ki
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    z = torch.empty(n_rows, V, dtype=dt, device="meta")                  # (n, V) logits, gradient in place
+    t = torch.empty(n_rows, dtype=torch.int64, device="meta")
+    lse, g = (torch.empty(n_rows, dtype=torch.float32, device="meta") for _ in range(2))
+    grid, args, kwargs = _grad_args(z, t, lse, g, True)
+    return ki.launch_job(_logprob_grad_kernel, *args, grid=grid, **kwargs)
 
 
 def _forward_rows(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +91,9 @@ def _forward_rows(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _grad_rows(z: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, one_hot: bool = True) -> None:
     """Overwrite z (n, V) with dL/dz given dL/dlogp = g (n,)."""
-    n, V = z.shape
-    block, warps = launch_config(V)
-    if n:
-        _logprob_grad_kernel[(n,)](z, t, lse, g.float().contiguous(), V, z.stride(0),
-                                   BLOCK_V=block, ONE_HOT=one_hot, num_warps=warps)
+    if z.shape[0]:
+        grid, args, kwargs = _grad_args(z, t, lse, g.float().contiguous(), one_hot)
+        _logprob_grad_kernel[grid](*args, **kwargs)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -182,3 +189,8 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     N = target.numel()
     chunk = int(chunk_size) if chunk_size else chunk_rows(max(N, 1), hidden.shape[-1], weight.shape[0])
     return _FusedLinearTokenLogprobs.apply(hidden, weight, target, chunk, bool(one_hot))
+
+
+def compile_jobs() -> dict:
+    """The gradient launch over 4096 tokens of Llama 3's (128256) and Qwen 2.5's (151936) vocabularies, bf16 logits."""
+    return {f"vocabulary {V}, 4096 tokens, bf16": aot_job(V, "bf16") for V in (128_256, 151_936)}

@@ -119,17 +119,31 @@ def _ppo_token_kernel(
     tl.store(kl_ptr + offs, kl, mask=ok)
 
 
-def aot_job(kl: str = "k3", value: bool = True):
-    """The kernel as :func:`ppo_loss` launches it, for ahead-of-time compiling."""
-    from kernels.inspect import TritonJob
+def aot_job(kl: str = "k3", value: bool = True, tokens: int = 512 * 1024):
+    """The launch :func:`ppo_loss` makes over ``tokens`` flattened tokens, built from meta tensors by
+    :func:`kernels.inspect.launch_job` (Triton's own specialisation of the launch)."""
+    from kernels import inspect as ki
 
-    sig = {n: "*fp32" for n in ("logp_ptr", "old_ptr", "ref_ptr", "adv_ptr", "w_ptr", "v_ptr", "vold_ptr", "ret_ptr",
-                                "loss_ptr", "dlogp_ptr", "dv_ptr", "clipped_ptr", "kl_ptr")}
-    sig.update({"N": "i64", "eps_low": "fp32", "eps_high": "fp32", "beta": "fp32", "value_clip": "fp32",
-                "vf_coef": "fp32"})
-    return TritonJob(_ppo_token_kernel, sig, constexprs={"BLOCK": BLOCK, "KL": KL_ESTIMATORS[kl], "VALUE": value,
-                                                   "PESSIMISTIC": True, "REF_KL": True},
-                     num_warps=4)
+    x = torch.empty(tokens, dtype=torch.float32, device="meta")              # (N,) every per-token input
+    t = {k: x for k in ("logp", "old", "ref", "adv", "w")}
+    t.update({k: x if value else None for k in ("values", "old_values", "returns")})
+    opts = {"eps_low": 0.2, "eps_high": 0.28, "beta": 0.04, "value_clip": 0.2, "vf_coef": 0.5, "kl": kl}
+    out = {k: x for k in ("loss", "dlogp", "dv", "clipped", "kl")}
+    grid, args, kwargs = _ppo_args(t, out, opts, {"PESSIMISTIC": True, "REF_KL": True})
+    return ki.launch_job(_ppo_token_kernel, *args, grid=grid, **kwargs)
+
+
+def _ppo_args(t: dict, out: dict, opts: dict, variant: dict):
+    """(grid, args, kwargs) of the kernel's launch over the N flattened tokens; shared by :func:`_launch`
+    and :func:`aot_job`. Without values the value pointers are the log-probabilities' (unused)."""
+    N = t["logp"].numel()
+    value = t["values"] is not None
+    dummy = t["logp"]
+    args = (t["logp"], t["old"], t["ref"], t["adv"], t["w"],
+            t["values"] if value else dummy, t["old_values"] if value else dummy, t["returns"] if value else dummy,
+            out["loss"], out["dlogp"], out["dv"], out["clipped"], out["kl"],
+            N, opts["eps_low"], opts["eps_high"], opts["beta"], opts["value_clip"], opts["vf_coef"])
+    return (triton.cdiv(N, BLOCK),), args, dict(BLOCK=BLOCK, KL=KL_ESTIMATORS[opts["kl"]], VALUE=value, **variant)
 
 
 def _launch(t: dict, opts: dict, variant: dict) -> dict:
@@ -137,15 +151,9 @@ def _launch(t: dict, opts: dict, variant: dict) -> dict:
     N = t["logp"].numel()
     out = {k: torch.empty(N, dtype=torch.float32, device=t["logp"].device)
            for k in ("loss", "dlogp", "dv", "clipped", "kl")}
-    value = t["values"] is not None
-    dummy = t["logp"]
     if N:
-        _ppo_token_kernel[(triton.cdiv(N, BLOCK),)](
-            t["logp"], t["old"], t["ref"], t["adv"], t["w"],
-            t["values"] if value else dummy, t["old_values"] if value else dummy, t["returns"] if value else dummy,
-            out["loss"], out["dlogp"], out["dv"], out["clipped"], out["kl"],
-            N, opts["eps_low"], opts["eps_high"], opts["beta"], opts["value_clip"], opts["vf_coef"],
-            BLOCK=BLOCK, KL=KL_ESTIMATORS[opts["kl"]], VALUE=value, **variant)
+        grid, args, kwargs = _ppo_args(t, out, opts, variant)
+        _ppo_token_kernel[grid](*args, **kwargs)
     return out
 
 
@@ -212,3 +220,10 @@ def ppo_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps=0.2, cli
     w = t["w"]
     total = w.sum().clamp_min(1e-12)
     return loss, {"clip_fraction": float((w * out["clipped"]).sum() / total), "kl": float((w * out["kl"]).sum() / total)}
+
+
+def compile_jobs() -> dict:
+    """The token loss over 512 x 1024 tokens with each KL estimator and a value head, and k3 without one."""
+    jobs = {f"PPO token loss, KL {kl}, value head": aot_job(kl) for kl in KL_ESTIMATORS}
+    jobs["PPO token loss, KL k3, no value head (GRPO)"] = aot_job("k3", value=False)
+    return jobs

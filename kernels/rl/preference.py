@@ -106,15 +106,25 @@ def _preference_kernel(pc_ptr, pr_ptr, qc_ptr, qr_ptr, lc_ptr, lr_ptr,   # (P,) 
     tl.store(dpr_ptr + offs, dpr * scale, mask=ok)
 
 
-def aot_job(kind: str = "dpo"):
-    """The kernel as :func:`preference_loss` launches it, for ahead-of-time compiling."""
-    from kernels.inspect import TritonJob
+def _preference_args(t: dict, loss, dpc, dpr, opts: dict, variant: dict):
+    """(grid, args, kwargs) of the kernel's launch over P pairs; shared by the autograd function and
+    :func:`aot_job`."""
+    P = t["pc"].numel()
+    args = (t["pc"], t["pr"], t["qc"], t["qr"], t["lc"], t["lr"], loss, dpc, dpr,
+            P, opts["beta"], opts["gamma"], opts["z0"], 1.0 / P)
+    return (triton.cdiv(P, BLOCK),), args, dict(BLOCK=BLOCK, KIND=KINDS[opts["kind"]], **variant)
 
-    sig = {n: "*fp32" for n in ("pc_ptr", "pr_ptr", "qc_ptr", "qr_ptr", "lc_ptr", "lr_ptr",
-                                "loss_ptr", "dpc_ptr", "dpr_ptr")}
-    sig.update({"P": "i64", "beta": "fp32", "gamma": "fp32", "z0": "fp32", "scale": "fp32"})
-    return TritonJob(_preference_kernel, sig, constexprs={"BLOCK": BLOCK, "KIND": KINDS[kind], "USE_REF": True,
-                                                        "NORMALIZE": True}, num_warps=4)
+
+def aot_job(kind: str = "dpo", pairs: int = 4096):
+    """The launch :func:`preference_loss` makes for ``pairs`` pairs, built from meta tensors by
+    :func:`kernels.inspect.launch_job` (Triton's own specialisation of the launch)."""
+    from kernels import inspect as ki
+
+    x = torch.empty(pairs, dtype=torch.float32, device="meta")               # (P,) every per-pair input and output
+    t = {k: x for k in ("pc", "pr", "qc", "qr", "lc", "lr")}
+    opts = {"beta": 0.1, "gamma": 0.5, "z0": 0.0, "kind": kind}
+    grid, args, kwargs = _preference_args(t, x, x, x, opts, {"USE_REF": True, "NORMALIZE": True})
+    return ki.launch_job(_preference_kernel, *args, grid=grid, **kwargs)
 
 
 class _PreferenceLoss(torch.autograd.Function):
@@ -124,9 +134,8 @@ class _PreferenceLoss(torch.autograd.Function):
         loss = torch.empty(P, dtype=torch.float32, device=pc.device)
         dpc, dpr = torch.empty_like(loss), torch.empty_like(loss)
         if P:
-            _preference_kernel[(triton.cdiv(P, BLOCK),)](
-                t["pc"], t["pr"], t["qc"], t["qr"], t["lc"], t["lr"], loss, dpc, dpr,
-                P, opts["beta"], opts["gamma"], opts["z0"], 1.0 / P, BLOCK=BLOCK, KIND=KINDS[opts["kind"]], **variant)
+            grid, args, kwargs = _preference_args(t, loss, dpc, dpr, opts, variant)
+            _preference_kernel[grid](*args, **kwargs)
         ctx.save_for_backward(dpc, dpr)
         ctx.shapes = (pc.shape, pr.shape)
         return loss.sum()
@@ -275,3 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def compile_jobs() -> dict:
+    """Each preference loss over 4096 pairs."""
+    return {f"{kind} loss, 4096 pairs": aot_job(kind) for kind in KINDS}
