@@ -172,18 +172,53 @@ def rope_launch(Hq: int, Hkv: int, D: int) -> dict:
                 BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if pairs <= 4096 else 8)
 
 
+def _rope_args(q, k, qo, ko, cos, sin, pos, interleaved: bool, conjugate: bool):
+    """(grid, args, kwargs) of the kernel's launch, one program per token; shared by :func:`_launch`
+    and :func:`launch_job`."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    args = (q, k, qo, ko, cos, sin, pos, *q.stride(), *k.stride(), *pos.stride(), *cos.stride(), T, Hq, Hkv, D // 2)
+    return (B * T,), args, dict(INTERLEAVED=interleaved, CONJUGATE=conjugate, **rope_launch(Hq, Hkv, D))
+
+
 def _launch(q, k, cos, sin, pos, interleaved: bool, conjugate: bool):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     qo = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
     ko = torch.empty((B, T, Hkv, D), dtype=k.dtype, device=k.device)
-    _rope_kernel[(B * T,)](
-        q, k, qo, ko, cos, sin, pos,
-        *q.stride(), *k.stride(), *pos.stride(), *cos.stride(),
-        T, Hq, Hkv, D // 2,
-        INTERLEAVED=interleaved, CONJUGATE=conjugate, **rope_launch(Hq, Hkv, D),
-    )
+    grid, args, kwargs = _rope_args(q, k, qo, ko, cos, sin, pos, interleaved, conjugate)
+    _rope_kernel[grid](*args, **kwargs)
     return qo, ko
+
+
+def launch_job(Hq: int, Hkv: int, D: int, *, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
+               tokens: int = 8192, interleaved: bool = False, target: str = "sm90"):
+    """The job of the launch :func:`rope` makes for ``batch`` sequences of ``tokens`` contiguous
+    (B, T, H, D) queries and keys with a table of ``tokens`` positions, on meta tensors
+    (:func:`kernels.inspect.launch_job`: Triton's own specialisation, so the unit strides of the head
+    dimension, the positions and the table become constants, as on a GPU)."""
+    from kernels import inspect as ki
+
+    q = torch.empty(batch, tokens, Hq, D, dtype=dtype, device="meta")        # (B, T, Hq, D)
+    k = torch.empty(batch, tokens, Hkv, D, dtype=dtype, device="meta")       # (B, T, Hkv, D)
+    cos = torch.empty(tokens, D // 2, dtype=torch.float32, device="meta")    # (S, D/2) angles' cosines
+    pos = torch.empty(batch, tokens, dtype=torch.int64, device="meta")       # (B, T) positions
+    grid, args, kwargs = _rope_args(q, k, torch.empty_like(q), torch.empty_like(k), cos, cos, pos, interleaved, False)
+    return ki.launch_job(_rope_kernel, *args, target=target, grid=grid, **kwargs)
+
+
+# (label, query heads, K/V heads, head dim, interleaved) of real models' RoPE
+REAL_CONFIGS = (
+    ("Llama-3-8B", 32, 8, 128, False),
+    ("Llama-3-70B", 64, 8, 128, False),
+    ("Qwen2-VL-7B", 28, 4, 128, False),
+)
+
+
+def compile_jobs() -> dict:
+    """The forward launch at :data:`REAL_CONFIGS`, bf16, one sequence of 8192 tokens."""
+    return {f"{label}: {hq} + {hkv} heads, D {d}, bf16": launch_job(hq, hkv, d, interleaved=inter)
+            for label, hq, hkv, d, inter in REAL_CONFIGS}
 
 
 class _Rope(torch.autograd.Function):
