@@ -104,11 +104,6 @@ def warps_for(tile_elements: int, budget: RowBudget = FORWARD) -> int:
     return min(max(tile_elements // (32 * budget.per_thread), 1), MAX_WARPS)
 
 
-def triton_type(dtype: torch.dtype) -> str:
-    """The element type name a Triton signature uses for ``dtype`` (for AOT compiles)."""
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-
-
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a (rows, n) view with unit feature stride when possible, else a contiguous copy."""
     n = x.shape[-1]

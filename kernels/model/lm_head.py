@@ -210,7 +210,7 @@ def launch_config(V: int) -> tuple[int, int]:
     return block, rows.warps_for(block, CE_BUDGET)
 
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _ce_args(x, t, loss, grad, ignore_index: int, smoothing: float, grad_scale: float, *, subtract_max: bool,
@@ -236,7 +236,7 @@ def aot_job(V: int, dtype: str = "fp32", *, n_rows: int = 4096, block_v: int | N
     from kernels import inspect as ki
 
     block, warps = launch_config(V)
-    x = torch.empty(n_rows, V, dtype=_TORCH_DTYPES[dtype], device="meta")   # (N, V) logits, gradient in place
+    x = torch.empty(n_rows, V, dtype=DTYPES_BY_NAME[dtype], device="meta")   # (N, V) logits, gradient in place
     t = torch.empty(n_rows, dtype=torch.int64, device="meta")
     loss = torch.empty(n_rows, dtype=torch.float32, device="meta")
     grid, args, kwargs = _ce_args(x, t, loss, x, -100, 0.0, 1.0, subtract_max=True, z_loss=1e-4 if z_loss else 0.0,

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernels import rows, runtime
-from kernels.model.lm_head import SUPPORTED_DTYPES, _ce_rows, chunk_rows, launch_config
+from kernels.model.lm_head import DTYPES_BY_NAME, SUPPORTED_DTYPES, _ce_rows, chunk_rows, launch_config
 
 IGNORE = -100
 
@@ -74,8 +74,7 @@ def aot_job(V: int, dtype: str = "fp32", n_rows: int = 4096):
     meta tensors by :func:`kernels.inspect.launch_job` (Triton's own specialisation of the launch)."""
     from kernels import inspect as ki
 
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    z = torch.empty(n_rows, V, dtype=dt, device="meta")                  # (n, V) logits, gradient in place
+    z = torch.empty(n_rows, V, dtype=DTYPES_BY_NAME[dtype], device="meta")                  # (n, V) logits, gradient in place
     t = torch.empty(n_rows, dtype=torch.int64, device="meta")
     lse, g = (torch.empty(n_rows, dtype=torch.float32, device="meta") for _ in range(2))
     grid, args, kwargs = _grad_args(z, t, lse, g, True)
