@@ -15,9 +15,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 import kernels  # noqa: F401  (switches Triton's interpreter on before any test imports triton)
 from tools.notebooks import CPU_CONFIG_VAR, SECOND_CPU_CONFIG, run_nbval
+
+# Property tests draw the same examples on every machine (derandomize), keep no example database
+# in the checkout, and have no per-example deadline (the interpreter's speed varies by CPU).
+settings.register_profile("course", derandomize=True, database=None, deadline=None)
+settings.load_profile("course")
 
 NOTEBOOK_BUDGET_S = 30.0
 SECOND_PASS = "second CPU configuration"
