@@ -53,6 +53,12 @@ def streaming_keep(P: int, budget: int, sinks: int = 4) -> torch.Tensor:
     return torch.cat([torch.arange(sinks), torch.arange(P - (budget - sinks), P)])
 
 
+def accumulated_attention(probs: torch.Tensor) -> torch.Tensor:
+    """probs (B, Hkv, group, P, P) causal prompt attention -> H2O's scores (B, Hkv, P): the attention
+    each key received, summed over every query row and the group's query heads."""
+    return probs.sum(dim=(2, 3))
+
+
 def h2o_keep(scores: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
     """scores (..., P) accumulated attention per key; kept positions (..., budget), sorted: the last
     ``recent`` and the top budget - recent of the earlier P - recent by score."""
@@ -93,7 +99,7 @@ def select(policy: str, probs: torch.Tensor, budget: int, *, sinks: int = 4, rec
         keep = streaming_keep(P, budget, sinks if policy == "streaming" else 0)
         return keep.expand(B, Hkv, budget)
     if policy == "h2o":
-        return h2o_keep(probs.sum(dim=(2, 3)), budget, budget // 2 if recent is None else recent)
+        return h2o_keep(accumulated_attention(probs), budget, budget // 2 if recent is None else recent)
     if policy == "snapkv":
         return snapkv_keep(probs[:, :, :, P - window:].sum(2), budget, window, pool)
     raise ValueError(f"select: unknown policy {policy!r}; implemented: {', '.join(POLICIES)}")
