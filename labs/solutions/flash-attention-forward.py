@@ -49,7 +49,7 @@ def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
         kv_mask = (n[:, None] < Nk) & (offs_d[None, :] < D)
         k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = n[None, :] < Nk
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None] + (Nk - Nq))
@@ -60,7 +60,7 @@ def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -87,7 +87,7 @@ def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
         kv_mask = (n[:, None] < Nk) & (offs_d[None, :] < D)
         k = tl.load(k_ptr + h * stride_kh + n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + h * stride_vh + n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = n[None, :] < Nk
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None] + (Nk - Nq))
@@ -97,7 +97,7 @@ def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
