@@ -156,6 +156,27 @@ def write_kmajor(smem: torch.Tensor, base: int, tile: torch.Tensor, mode: str) -
     return {"lbo": 16, "sbo": 8 * width}
 
 
+def read_through(tile: torch.Tensor, mode: str, *, encode_fn=None, offsets_fn=None, base: int = 2048,
+                 smem_bytes: int = 16384) -> torch.Tensor:
+    """Write ``tile`` (rows, K) K-major in ``mode``'s canonical layout at byte ``base`` of a shared-memory
+    image, then read it back one k16 step at a time through descriptors, as the tensor core does.
+    ``encode_fn(start, lbo, sbo, mode) -> int`` builds each descriptor and ``offsets_fn(mode, rows) ->
+    (lbo, sbo)`` gives the offsets (each defaults to this module's); the wgmma lab passes its own. A
+    descriptor that cannot be decoded or reads past the image yields NaN rows, so a check can report it."""
+    smem = torch.zeros(smem_bytes, dtype=torch.uint8)
+    lay = write_kmajor(smem, base, tile, mode)
+    lbo, sbo = offsets_fn(mode, tile.shape[0]) if offsets_fn else (lay["lbo"], lay["sbo"])
+    encode_fn = encode_fn or (lambda start, l, s, m: encode(Descriptor(start, l, s, m)))
+    steps = []
+    for k0 in range(0, tile.shape[1], 16):
+        start = base + (2 * k0 if mode != "none" else 0)     # swizzled: the next k16 step is 32 bytes on
+        try:
+            steps.append(read_operand(smem, decode(encode_fn(start, lbo, sbo, mode)), tile.shape[0]))
+        except ValueError:                                   # reserved bits, or an address past the image
+            steps.append(torch.full((tile.shape[0], 16), float("nan"), dtype=torch.float16))
+    return torch.cat(steps, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The accumulator and the instruction
 
