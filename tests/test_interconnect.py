@@ -29,7 +29,7 @@ def test_a_bidirectional_figure_stored_as_one_direction_is_caught():
 
 def test_every_source_is_cited_in_references_bib():
     keys = {l.source for l in ic.LINKS.values()} | {s.source for s in ic.SYSTEMS.values()}
-    keys |= {k for _, k in ic.DATASHEET_TOTALS_GBS.values()} | {"nvidia2020nccltuning"}
+    keys |= {k for _, k in ic.DATASHEET_TOTALS_GBS.values()} | {"nvidia2020nccltuning", "nvidia2020ncclmultinic"}
     missing = [k for k in keys if not re.search(r"@\w+\{" + re.escape(k) + ",", BIB)]
     assert not missing, missing
 
@@ -52,3 +52,16 @@ def test_dgx_h100_all_reduce_prediction():
     assert 440 < cm.bus_bandwidth_gbs(algbw, 8) < 450
     with pytest.raises(ValueError, match="collective must be one of"):
         cm.bus_bandwidth_gbs(1.0, 8, "broadcast")
+
+
+def test_rails_spread_the_network_share_over_every_nic():
+    """One ring of 16 GPUs is held to one NIC's 50 GB/s; 8 rings, each through another of a node's 8
+    NICs, carry 1/8 of each GPU's bytes over its NIC and 7/8 over NVLink: min(8 x 50, 8/7 x 450) GB/s."""
+    one, rails = ic.system("2x DGX H100, one ring"), ic.system("2x DGX H100, 8 rails")
+    assert math.isclose(1 / one.beta_s_per_byte, 50e9)
+    assert math.isclose(1 / rails.beta_s_per_byte, 400e9)
+    four = ic.System("TP 8 over two nodes", 8, "ndr", "", "", rails=4, intra="nvlink4")
+    assert math.isclose(1 / four.beta_s_per_byte, 200e9)          # 4 NICs: 4 x 50 < 4/3 x 450
+    with pytest.raises(ValueError, match="needs intra"):
+        ic.System("bad", 16, "ndr", "", "", rails=8)
+

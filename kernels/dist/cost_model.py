@@ -96,8 +96,8 @@ def crossover_bytes(p: int, alpha: float, beta: float) -> float:
 
 def predict_system(system, algo: str, n_bytes: float, with_base: bool = True) -> float:
     """Seconds for ``algo`` over a :class:`kernels.gpu.interconnect.System`: its GPU count as p, the
-    per-step latency of its slowest hop as alpha, the inverse of that hop's per-direction bandwidth
-    as beta, plus NCCL's fixed base latency of a call when ``with_base``."""
+    per-step latency of its slowest hop as alpha, its time per byte sent (one link's, or the rails'
+    split between NICs and NVLink) as beta, plus NCCL's fixed base latency of a call when ``with_base``."""
     from kernels.gpu.interconnect import NCCL_BASE_US
     base = NCCL_BASE_US * 1e-6 if with_base else 0.0
     return base + predict(algo, n_bytes, system.gpus, system.alpha_s, system.beta_s_per_byte)

@@ -88,17 +88,34 @@ def link(key: str) -> Link:
 
 @dataclass(frozen=True)
 class System:
-    """GPUs joined in a ring whose slowest hop is ``bottleneck``: every GPU sends through it at
-    its per-direction bandwidth, and every ring step pays NCCL's per-step latency for that hop."""
+    """GPUs joined in rings whose slowest hop is ``bottleneck``, and every ring step pays NCCL's
+    per-step latency for that hop.
+
+    ``rails = 1``: one ring, every GPU sends all its bytes through the bottleneck at its
+    per-direction bandwidth. ``rails = r > 1`` (GPUs of a node on ``intra`` links, r NICs per node):
+    NCCL runs r rings (channels) at once, each entering and leaving a node through a different NIC
+    and crossing the node's other GPUs over ``intra`` (nvidia2020ncclmultinic). Each GPU then leaves
+    its node in one ring of r, so 1/r of its bytes cross its NIC and the rest cross ``intra``; the
+    slower of the two sets the time per byte."""
     key: str
     gpus: int
     bottleneck: str               # a key of LINKS
     note: str
     source: str
+    rails: int = 1
+    intra: str | None = None      # a key of LINKS, required when rails > 1
+
+    def __post_init__(self):
+        if self.rails < 1 or (self.rails > 1) != (self.intra is not None):
+            raise ValueError(f"System {self.key!r}: rails={self.rails} needs intra set exactly when rails > 1")
 
     @property
     def beta_s_per_byte(self) -> float:
-        return 1.0 / (link(self.bottleneck).gbs_per_direction * 1e9)
+        net = link(self.bottleneck).gbs_per_direction * 1e9
+        if self.rails == 1:
+            return 1.0 / net
+        inside = link(self.intra).gbs_per_direction * 1e9
+        return max(1 / (self.rails * net), (self.rails - 1) / (self.rails * inside))   # NIC share vs NVLink share
 
     @property
     def alpha_s(self) -> float:
@@ -112,9 +129,12 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
     System("8x H100 PCIe, no NVLink", 8, "pcie5",
            "each GPU on its own PCIe Gen5 x16 link; best case: no shared switch or CPU link slower than x16",
            "nvidia2023h100datasheet"),
-    System("2x DGX H100 over NDR", 16, "ndr",
-           "16 GPUs; a flat ring crosses the network, one 400 Gb/s ConnectX-7 port per GPU",
+    System("2x DGX H100, one ring", 16, "ndr",
+           "16 GPUs in one flat ring: its two network hops use one 400 Gb/s ConnectX-7 port each",
            "nvidia2023dgxh100guide"),
+    System("2x DGX H100, 8 rails", 16, "ndr",
+           "8 rings at once, each through a different one of a node's 8 ConnectX-7 ports, NVLink inside",
+           "nvidia2023dgxh100guide", rails=8, intra="nvlink4"),
 ]}
 
 
