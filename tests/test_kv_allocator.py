@@ -78,7 +78,7 @@ def sequences_machine(**variant):
 
         @invariant()
         def no_shared_write(self):
-            assert self.s.shared_writes == 0
+            assert self.s.shared_writes == 0, "a write landed in a shared page"
 
         @invariant()
         def contents_are_preserved(self):
@@ -94,9 +94,10 @@ def test_fork_and_copy_on_write_keep_their_invariants():
     assert SEEN["copy_on_write"] > 0, "no example appended to a shared partial page"
 
 
-@pytest.mark.parametrize("variant", [{"fork_incref": False}, {"copy_on_write": False}])
-def test_the_property_test_catches_a_broken_allocator(variant):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("variant, symptom", [({"fork_incref": False}, "table entries"),
+                                              ({"copy_on_write": False}, "shared page")])
+def test_the_property_test_catches_a_broken_allocator(variant, symptom):
+    with pytest.raises(AssertionError, match=symptom):
         run_state_machine_as_test(sequences_machine(**variant), settings=BROKEN_SETTINGS)
 
 
@@ -175,7 +176,7 @@ def hybrid_machine(**variant):
             for sid, L in self.h.lengths.items():
                 assert self.h.held(sid, 0) == -(-L // P)
                 for g, w in enumerate(WINDOWS[1:], start=1):
-                    assert self.h.held(sid, g) <= math.ceil(w / P) + 1
+                    assert self.h.held(sid, g) <= math.ceil(w / P) + 1, "a window group holds too many pages"
                     first_needed = max(0, L - w + 1) // P       # pages from here on are still read
                     assert all(p is not None for p in self.h.tables[sid][g][first_needed:])
 
@@ -189,7 +190,7 @@ def test_hybrid_allocator_keeps_its_invariants():
 
 
 def test_the_property_test_catches_a_window_group_that_never_frees():
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="too many pages"):
         run_state_machine_as_test(hybrid_machine(free_window_pages=False), settings=BROKEN_SETTINGS)
 
 
