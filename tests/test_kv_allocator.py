@@ -342,6 +342,15 @@ def test_compile_jobs_at_llama3_70b_do_not_spill(builds):
         assert jobs[label].grid == (64, 160)                    # (pairs, 80 layers x K and V)
 
 
+def test_pages_move_in_16_byte_vectors(builds):
+    """8 bf16 elements per thread and the divisibility hints of a real launch: LDG/STG.E.128 only."""
+    jobs, out = builds
+    b = out["Llama-3-70B, page 16, BLOCK 1024"]["sm90"]
+    ops = ki.instructions(b.sass, "sass")
+    assert ops["LDG.E.128"] > 0 and ops["STG.E.128"] > 0
+    assert not [op for op in ops if op.startswith("STG") and op != "STG.E.128"]
+
+
 def _widths(job, build, arg):
     runtime_args = [n for n, kind in job.signature.items() if kind != "constexpr"]
     return ki.param_product_widths(build, runtime_args.index(arg))
