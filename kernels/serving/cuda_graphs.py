@@ -130,6 +130,12 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.count = count
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # nothing runs under torch.compile here: without the dynamo wrapper torch._dynamo is never
+        # imported (seconds of a notebook's budget)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         kind = _kind(func)
