@@ -247,8 +247,8 @@ def test_captured_replay_equals_the_eager_static_step(model):
     assert isinstance(graphed.graphs[8], torch.cuda.CUDAGraph)
     for batch in (1, 3, 8):
         ids = list(range(5, 5 + batch))
-        pos = [10 + 7 * b for b in range(batch)]
-        tables = [[2 * b % 16, (2 * b + 1) % 16, 15 - b] for b in range(batch)]
+        pos = [3 + 5 * b for b in range(batch)]                         # <= 38: three pages of 16
+        tables = [[(3 * b + j) % 16 for j in range(3)] for b in range(batch)]
         got = graphed.replay(ids, pos, tables)
         buf = DecodeBuffers.empty(batch, graphed.width, gpu.config.vocab_size, 16, "cuda")
         buf.fill(ids, pos, tables, 16)

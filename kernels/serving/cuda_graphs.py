@@ -22,7 +22,8 @@ rules this module follows:
 :class:`GraphedDecodeRunner` wraps the engine's :class:`~kernels.serving.engine.PagedRunner`: a step
 whose runs are all single tokens goes through the static-buffer step of its bucket, captured as a
 CUDA graph on a GPU and run eagerly (the same tensors, the same ops) on a CPU; any other step goes
-to the wrapped runner. :class:`GraphedEngine` is the engine with that runner.
+to the wrapped runner (vLLM's ``FULL_DECODE_ONLY`` mode). :class:`GraphedEngine` is the engine
+with that runner.
 
 :func:`count_ops` counts what a function dispatches (compute kernels, host-to-device tensor
 creations, device-to-host syncs, views that launch nothing) with a ``TorchDispatchMode``, and
