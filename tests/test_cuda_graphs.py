@@ -127,6 +127,18 @@ def test_the_engines_step_syncs_and_the_static_step_does_not(model):
     assert checks.syncs >= 4                                    # the Triton launcher's input checks read values
 
 
+def test_the_static_step_runs_on_meta_tensors_and_the_reference_does_not(model):
+    """Meta tensors have shapes and no values: a step that runs on them reads nothing on the host
+    and has shapes fixed by its inputs' shapes."""
+    cfg = model.config
+    meta = GPT(cfg).to("meta")
+    cache = PagedKVCache(cfg.n_layer, 9, cfg.n_kv_head, 16, cfg.head_dim, device="meta")
+    buf = DecodeBuffers.empty(4, 8, cfg.vocab_size, 8, "meta")
+    assert decode_step(meta, cache, buf).shape == (4, cfg.vocab_size)
+    with pytest.raises(RuntimeError, match="meta"):
+        paged_decode_attention_ref(torch.empty(4, 4, 32, device="meta"), cache.k[0], cache.v[0], buf.table, buf.lens)
+
+
 def test_launch_count_is_linear_in_depth():
     counts = [engine_decode_ops(GPT(GPTConfig(n_layer=n)).eval(), 2).launches for n in (1, 2, 3)]
     assert counts[2] - counts[1] == counts[1] - counts[0] > 50        # the same launches in every block
