@@ -16,7 +16,7 @@ from kernels.model.gpt import GPT, GPTConfig, load_pretrained
 from kernels.serving.cuda_graphs import (BatchTooLargeError, DecodeBuffers, GraphedDecodeRunner, GraphedEngine,
                                          bucket_for, build_chain_program, capture_sizes, count_ops, decode_step,
                                          eager_step_time, engine_decode_ops, graphed_step_time, launches_per_step,
-                                         run_chain_program, static_decode_attention)
+                                         run_chain_program, static_decode_attention, static_decode_attention_kernel)
 from kernels.serving.engine import Engine, EngineConfig, PagedRunner
 from kernels.serving.kv_cache import PagedKVCache
 
@@ -94,6 +94,39 @@ def test_static_attention_equals_the_reference(model):
     lens = torch.tensor([17, 1, 8], dtype=torch.int32)
     ref = paged_decode_attention_ref(q, pages[0], pages[1], table, lens)
     assert (static_decode_attention(q, pages[0], pages[1], table, lens) - ref).abs().max() < 1e-5
+
+
+def test_triton_attention_without_host_checks_equals_the_static_reference():
+    torch.manual_seed(1)
+    pages = torch.randn(2, 9, 2, 8, 16)
+    q = torch.randn(4, 4, 16)
+    table = torch.tensor([[3, 1, 8], [0, 2, 5], [7, 7, 7], [8, 8, 8]], dtype=torch.int32)   # last row: padding
+    lens = torch.tensor([17, 1, 24, 1], dtype=torch.int32)
+    want = static_decode_attention(q, pages[0], pages[1], table, lens)
+    assert (static_decode_attention_kernel(q, pages[0], pages[1], table, lens) - want).abs().max() < 1e-5
+    count, _ = count_ops(static_decode_attention_kernel, q, pages[0], pages[1], table, lens)
+    assert count.syncs == 0
+
+
+def test_graphed_runner_with_the_triton_kernel_equals_the_torch_step(model):
+    runners = {}
+    for kernels_on in (False, True):
+        inner = PagedRunner(model, 9, 16, use_kernels=kernels_on)
+        torch.manual_seed(2)
+        for pool in inner.cache.k + inner.cache.v:
+            pool.normal_()
+        runners[kernels_on] = GraphedDecodeRunner(inner, (4,), scratch_page=8, capture=False)
+    batch = ([5, 6, 7], [20, 3, 33], [[0, 1], [2], [3, 4, 5]])                 # 3 rows in bucket 4
+    got, want = runners[True].replay(*batch), runners[False].replay(*batch)
+    assert (got - want).abs().max() < TOL
+
+
+def test_replay_refuses_positions_and_pages_outside_their_ranges(model):
+    runner = GraphedDecodeRunner(PagedRunner(model, 9, 16), (2,), scratch_page=8, capture=False)
+    with pytest.raises(ValueError, match="position 16 outside its 1 pages"):
+        runner.replay([1], [16], [[0]])
+    with pytest.raises(ValueError, match=r"ids outside \[0, 9\)"):
+        runner.replay([1], [0], [[9]])
 
 
 def test_a_scratch_page_that_a_sequence_owns_is_caught(model):

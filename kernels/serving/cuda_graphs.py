@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import inspect as ki
+from kernels.attention.paged import _paged_args, _paged_decode_kernel, default_block_s
 from kernels.model.gpt import GPT, add_rms_norm_torch, rms_norm_torch, rope
 from kernels.serving.engine import Engine, EngineConfig, PagedRunner
 from kernels.serving.kv_cache import PagedKVCache
@@ -192,6 +193,23 @@ def static_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     return torch.einsum("bhs,bhsd->bhd", probs, v)                                   # (S, Hq, D)
 
 
+def static_decode_attention_kernel(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+                                   lens: torch.Tensor) -> torch.Tensor:
+    """The same attention by the course's Triton paged decode kernel, launched without
+    :func:`~kernels.attention.paged.check_paged_inputs` (its host reads of the lengths and page ids
+    are syncs; :meth:`GraphedDecodeRunner.replay` checks the batch's Python lists before they are
+    copied in). The grid
+    (S, Hkv) is fixed by the shapes; each program's loop over its own length is read on the device,
+    which a graph allows: work that depends on data inside a kernel, not shapes on the host."""
+    S, Hq, D = q.shape
+    Hkv, P = k_pages.shape[1], k_pages.shape[2]
+    out = torch.empty_like(q)
+    grid, args, kwargs = _paged_args(q, k_pages, v_pages, table, lens, out, window=None,
+                                     block_s=default_block_s(Hq // Hkv, D, P))
+    _paged_decode_kernel[grid](*args, **kwargs)
+    return out
+
+
 @dataclass
 class DecodeBuffers:
     """The static inputs and output of one bucket of S rows; a step reads and writes only these.
@@ -236,10 +254,12 @@ class DecodeBuffers:
 
 
 @torch.no_grad()
-def decode_step(model: GPT, cache: PagedKVCache, buf: DecodeBuffers) -> torch.Tensor:
+def decode_step(model: GPT, cache: PagedKVCache, buf: DecodeBuffers, *, use_kernels: bool = False) -> torch.Tensor:
     """One decode step over the S rows of ``buf``, pure tensor ops (capturable): the same math as
     ``PagedRunner.forward`` for single-token runs. Writes each row's K, V at slot
-    (table[b, pos // P], pos % P) and returns the logits (S, V)."""
+    (table[b, pos // P], pos % P) and returns the logits (S, V). ``use_kernels``: attention by
+    the Triton kernel (:func:`static_decode_attention_kernel`)."""
+    attend = static_decode_attention_kernel if use_kernels else static_decode_attention
     cfg = model.config
     Hq, Hkv, D, P = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cache.page_size
     S = buf.size
@@ -253,7 +273,7 @@ def decode_step(model: GPT, cache: PagedKVCache, buf: DecodeBuffers) -> torch.Te
         v = blk.attn.wv(u).view(S, Hkv, D)
         q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)                # (S, H, D)
         cache.write(layer, page, off, k, v)
-        a = static_decode_attention(q, cache.k[layer], cache.v[layer], buf.table, buf.lens)
+        a = attend(q, cache.k[layer], cache.v[layer], buf.table, buf.lens)
         h, hn = add_rms_norm_torch(x, blk.attn.wo(a.reshape(S, Hq * D)), blk.norm2.weight, cfg.norm_eps)
         x = h + blk.mlp(hn)
     return rms_norm_torch(x, model.norm_f.weight, cfg.norm_eps) @ model.wte.weight.T    # (S, V)
@@ -335,8 +355,8 @@ class GraphedDecodeRunner:
 
     def _step_of(self, buf: DecodeBuffers) -> Callable[[], torch.Tensor]:
         """The step on the tensors ``buf`` holds now (bound, as a capture binds their addresses)."""
-        model, cache, bound = self.runner.model, self.runner.cache, replace(buf)
-        return lambda: decode_step(model, cache, bound)
+        model, cache, bound, kernels = self.runner.model, self.runner.cache, replace(buf), self.runner.use_kernels
+        return lambda: decode_step(model, cache, bound, use_kernels=kernels)
 
     @property
     def cache(self) -> PagedKVCache:
@@ -357,11 +377,22 @@ class GraphedDecodeRunner:
         if size is None:
             raise BatchTooLargeError(f"a decode batch of {len(ids)} sequences exceeds the largest captured size "
                                      f"{self.sizes[-1]}: add a larger size or use on_too_large='eager'")
+        self._check(pos, tables)
         buf = self.buffers[size]
         buf.fill(ids, pos, tables, self.scratch_page)
         self.graphs[size].replay()
         self.stats[f"replay {size}"] += 1
         return buf.logits[:len(ids)].clone()
+
+    def _check(self, pos: list[int], tables: list[list[int]]) -> None:
+        """On the host lists, before the copy: each position inside its row's pages, each page id
+        inside the cache (the kernel reads what the table says, unchecked)."""
+        pages, P = self.cache.k[0].shape[0], self.runner.P
+        for b, (p, t) in enumerate(zip(pos, tables)):
+            if not 0 <= p < len(t) * P:
+                raise ValueError(f"replay: row {b} has position {p} outside its {len(t)} pages of {P}")
+            if any(not 0 <= page < pages for page in t):
+                raise ValueError(f"replay: row {b}'s page table {t} has ids outside [0, {pages})")
 
     @torch.no_grad()
     def forward(self, works: list[Work]) -> torch.Tensor:
