@@ -65,6 +65,8 @@ def test_capture_sizes_follow_vllms_rule():
     assert capture_sizes(8, decode_query_len=2)[-1] == 32        # speculative decoding doubles the largest
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        capture_sizes(8, max_num_batched_tokens=0)
 
 
 def test_bucket_is_the_smallest_size_at_least_the_batch():

@@ -1,9 +1,10 @@
 """CUDA graphs for the engine's decode step: count its launches, pad it to fixed batch sizes, replay it.
 
 A decode step of a small batch is hundreds of small kernels (the engine's ``PagedRunner.forward``:
-about 150 aten ops per layer of the tiny GPT), each launched by the CPU. A CUDA graph records
-the launches of one step once (stream capture) and replays them with one launch call, so the
-per-launch CPU cost is paid at capture, not per step (CUDA Programming Guide, "CUDA Graphs").
+87 kernel ops and host-to-device copies per layer of the tiny GPT, and one sync), each launched by
+the CPU. A CUDA graph records the launches of one step once (stream capture) and replays them with
+one launch call, so the per-launch CPU cost is paid at capture, not per step (CUDA Programming
+Guide, "CUDA Graphs").
 A replay re-runs the *same* kernels on the *same* addresses with the *same* shapes, hence the
 rules this module follows:
 
@@ -23,7 +24,8 @@ rules this module follows:
 whose runs are all single tokens goes through the static-buffer step of its bucket, captured as a
 CUDA graph on a GPU and run eagerly (the same tensors, the same ops) on a CPU; any other step goes
 to the wrapped runner (vLLM's ``FULL_DECODE_ONLY`` mode). :class:`GraphedEngine` is the engine
-with that runner.
+with that runner. The engine itself builds each step's inputs on the CPU, so on a GPU only the
+graphed step runs there (capture needs a runner whose model and cache are on the device).
 
 :func:`count_ops` counts what a function dispatches (compute kernels, host-to-device tensor
 creations, device-to-host syncs, views that launch nothing) with a ``TorchDispatchMode``, and
@@ -67,6 +69,9 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int | None = None, 
             raise ValueError(f"capture_sizes: {name} must be an int >= 1, got {v!r}")
     largest = min(max_num_seqs * decode_query_len * 2, 512)
     if max_num_batched_tokens is not None:
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(f"capture_sizes: max_num_batched_tokens must be None or an int >= 1, "
+                             f"got {max_num_batched_tokens!r}")
         largest = min(largest, max_num_batched_tokens)
     sizes = [s for s in (1, 2, 4) if s <= largest]
     sizes += list(range(8, min(largest + 1, 256), 8))
