@@ -174,6 +174,26 @@ def test_the_static_step_runs_on_meta_tensors_and_the_reference_does_not(model):
         paged_decode_attention_ref(torch.empty(4, 4, 32, device="meta"), cache.k[0], cache.v[0], buf.table, buf.lens)
 
 
+def test_the_profiler_agrees_on_the_leaf_ops_and_also_records_the_composites(model):
+    """torch.profiler records a composite op (aten::linear, aten::matmul) and the ops it calls
+    (aten::mm): counting its events counts a GEMM several times. On the leaves both counts agree."""
+    from collections import Counter
+
+    eng = Engine(model, EngineConfig(page_size=16))
+    for p in PROMPTS[:3]:
+        eng.add(encode(p).tolist(), 3)
+    eng.step()
+    works = eng.scheduler.schedule()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eng.runner.forward(works)
+    events = Counter(e.name for e in prof.events())
+    count, _ = count_ops(eng.runner.forward, works)
+    for leaf in ("aten::mm", "aten::bmm", "aten::_local_scalar_dense", "aten::lift_fresh", "aten::embedding"):
+        assert events[leaf] == count.ops[leaf] > 0, leaf
+    assert events["aten::linear"] > 0 and "aten::linear" not in count.ops
+    assert sum(events.values()) > 2 * sum(count.ops.values())
+
+
 def test_launch_count_is_linear_in_depth():
     counts = [engine_decode_ops(GPT(GPTConfig(n_layer=n)).eval(), 2).launches for n in (1, 2, 3)]
     assert counts[2] - counts[1] == counts[1] - counts[0] > 50        # the same launches in every block
