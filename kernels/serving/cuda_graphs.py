@@ -268,7 +268,7 @@ def decode_step(model: GPT, cache: PagedKVCache, buf: DecodeBuffers, *, use_kern
     cfg = model.config
     Hq, Hkv, D, P = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cache.page_size
     S = buf.size
-    page = buf.table.gather(1, (buf.pos // P)[:, None]).squeeze(1)     # (S,) physical page of each new slot
+    page = buf.table.gather(1, (buf.pos // P)[:, None]).squeeze(1).long()   # (S,) physical page of each new slot
     off = buf.pos % P                                                  # (S,)
     x = model.wte(buf.ids)                                             # (S, C)
     for layer, blk in enumerate(model.blocks):
