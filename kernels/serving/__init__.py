@@ -3,5 +3,6 @@
 allocator (pages of KV cache with reference counts), engine (paged forward of a mixed batch),
 scheduler (continuous batching, chunked prefill, preemption), radix_cache (prefix reuse),
 rolling_cache (sliding-window ring buffer), simulate (event simulation of the policies),
-server (an OpenAI-compatible HTTP endpoint), loadtest (requests/s and time to first token).
+server (an OpenAI-compatible HTTP endpoint), loadtest (requests/s and time to first token),
+cuda_graphs (the decode step's launches counted, padded to batch-size buckets, captured on a GPU).
 """
