@@ -348,7 +348,7 @@ BROKEN = (None, "scale-per-head", "no-zero-point")
 def gpu_block_s_quant(group: int, head_dim: int, page_size: int) -> int:
     """The GPU tile: half the float paged kernel's (decode.gpu_block_s), since the codes, the scales
     and the dequantized K and V tiles need registers of their own (at Llama-3-8B's shape BLOCK_S = 16
-    takes 255 registers per thread, the ceiling; 8 takes about half: the notebook's table), capped by
+    takes 255 registers per thread, the ceiling; 8 takes about half: tests/test_kv_quantization.py), capped by
     the page."""
     return max(1, min(page_size, gpu_block_s(group, head_dim) // 2))
 
@@ -626,7 +626,7 @@ REAL_CONFIGS = (("Llama-3-8B", 32, 8, 128),)
 
 
 def launch_job(hq: int, hkv: int, head_dim: int, name: str, *, batch: int = 32, context: int = 8192,
-               page_size: int = 16, residual: int = 128, block_s: int | None = None, target: str = "sm90"):
+               page_size: int = 16, residual: int = 32, block_s: int | None = None, target: str = "sm90"):
     """The GPU launch of :func:`quant_paged_decode` for scheme ``name`` on meta tensors: ``batch``
     sequences of ``context`` positions in ``page_size`` pages, fp16 queries, int32 tables; with a
     residual window, a (batch, Hkv, residual + page_size, D) fp16 residual buffer. ``block_s`` defaults
