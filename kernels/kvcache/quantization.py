@@ -119,8 +119,10 @@ def scheme(name: str) -> Scheme:
 
 def quantized_len(length: int, page_size: int, sch: Scheme) -> int:
     """Lq: the positions of a length-L sequence read from quantized pages (module docstring)."""
-    if sch.k is None or sch.per_token:
-        return length if sch.k is not None else 0
+    if sch.k is None:
+        return 0
+    if sch.per_token:
+        return length
     return page_size * (max(length - sch.residual, 0) // page_size)
 
 
