@@ -502,15 +502,13 @@ class QuantizedPagedKVCache:
         return sum(qp.nbytes() for qp in self.k + self.v)
 
 
-def make_cache(kv_cache: str, n_layer: int, num_pages: int, n_kv_head: int, page_size: int, head_dim: int,
-               float_cache):
-    """The engine's cache for the scheme named ``kv_cache``: ``float_cache(...)`` (PagedKVCache) for
-    "float", else a :class:`QuantizedPagedKVCache`; an unknown name raises, naming it."""
+def make_cache(kv_cache: str, n_layer: int, num_pages: int, n_kv_head: int, page_size: int,
+               head_dim: int) -> QuantizedPagedKVCache:
+    """The engine's cache for ``EngineConfig.kv_cache`` when it is not "float"; an unknown name raises,
+    naming it, and a scheme the engine cannot serve raises, naming those it can."""
     if kv_cache not in SCHEMES:
         raise ValueError(f"EngineConfig.kv_cache: unknown scheme {kv_cache!r}; the engine serves "
                          f"{', '.join(ENGINE_SCHEMES)}")
-    if kv_cache == "float":
-        return float_cache(n_layer, num_pages, n_kv_head, page_size, head_dim)
     return QuantizedPagedKVCache(n_layer, num_pages, n_kv_head, page_size, head_dim, kv_cache)
 
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.kvcache.quantization import make_cache
 from kernels.model.gpt import GPT, KVCache, add_rms_norm_torch, rms_norm_torch, rope
 from kernels.serving.allocator import BlockAllocator
 from kernels.serving.kv_cache import PagedKVCache
@@ -61,7 +60,11 @@ class PagedRunner:
                  kv_cache: str = "float"):
         cfg = model.config
         self.model, self.cfg, self.use_kernels = model, cfg, use_kernels
-        self.cache = make_cache(kv_cache, cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim, PagedKVCache)
+        if kv_cache == "float":
+            self.cache = PagedKVCache(cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
+        else:                                  # quantized pages: kernels.kvcache.quantization
+            from kernels.kvcache.quantization import make_cache
+            self.cache = make_cache(kv_cache, cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
         self.P = page_size
 
     @property
