@@ -56,10 +56,15 @@ class EngineStalled(RuntimeError):
 class PagedRunner:
     """The model's parameters, a paged KV cache of ``num_pages`` pages, and one forward per step."""
 
-    def __init__(self, model: GPT, num_pages: int, page_size: int, *, use_kernels: bool = False):
+    def __init__(self, model: GPT, num_pages: int, page_size: int, *, use_kernels: bool = False,
+                 kv_cache: str = "float"):
         cfg = model.config
         self.model, self.cfg, self.use_kernels = model, cfg, use_kernels
-        self.cache = PagedKVCache(cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
+        if kv_cache == "float":
+            self.cache = PagedKVCache(cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
+        else:                                  # quantized pages: kernels.kvcache.quantization
+            from kernels.kvcache.quantization import make_cache
+            self.cache = make_cache(kv_cache, cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
         self.P = page_size
 
     @property
@@ -149,6 +154,7 @@ class EngineConfig:
     policy: str = "continuous"
     use_kernels: bool = False      # Triton paged decode attention and the Triton sampler
     seed: int = 0                  # draws the seeds of requests that bring none
+    kv_cache: str = "float"        # "float", or a quantized scheme: "int8", "fp8" ... (kernels.kvcache.quantization)
 
 
 @dataclass
@@ -173,7 +179,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_tokens=config.max_tokens, max_seqs=config.max_seqs,
                                    chunk=config.chunk, prefix_cache=self.cache, policy=config.policy,
                                    cache_after_prefill=config.cache_after_prefill)
-        self.runner = PagedRunner(model, config.num_pages, config.page_size, use_kernels=config.use_kernels)
+        self.runner = PagedRunner(model, config.num_pages, config.page_size, use_kernels=config.use_kernels,
+                                  kv_cache=config.kv_cache)
         self.sampler = Sampler(use_kernels=config.use_kernels)
         self.times = StepTimes()
         self.history: list[list[tuple[int, int, int, bool]]] = []  # per step: (seq id, start, n tokens, sampled)
