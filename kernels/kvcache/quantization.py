@@ -13,7 +13,7 @@ where max and min run over the elements that share one (s, z), chosen by the spe
 * ``"token"``: one (s, z) per token, K/V head and ``group`` consecutive channels (group = the head
   dim by default): the per-token scales of vLLM-style INT8/FP8 caches and of KIVI's values;
 * ``"channel"``: one (s, z) per channel over the P tokens of a page (a page is KIVI's token group):
-  KIVI's keys, whose outliers sit in fixed channels (Liu et al. 2024, Fig. 2);
+  KIVI's keys, whose outliers sit in fixed channels (Liu et al. 2024);
 * ``"head"``: one static s per layer and K/V head, calibrated offline (``head_amax``).
 
 Scales and zero points are stored in fp16, and codes are computed from the fp16-rounded scale, so
