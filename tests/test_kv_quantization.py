@@ -241,7 +241,8 @@ PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING LEAR:\nBlow, winds, and crac
 NEW = 16
 
 
-def _serve(model, kv_cache, use_kernels=False):
+def _serve(model, scheme, use_kernels=False):
+    kv_cache = None if scheme == "float" else kq.engine_cache(scheme)
     eng = Engine(model, EngineConfig(num_pages=48, kv_cache=kv_cache, use_kernels=use_kernels), record_logits=True)
     seqs = [eng.add(encode(p).tolist(), NEW) for p in PROMPTS]
     eng.run()
@@ -267,7 +268,7 @@ def test_engine_int8_serves_the_quantized_cache(model):
         flt = kq.quantized_forward(model, ids, kq.SCHEMES["float"])[0, len(s.prompt) - 1:]
         assert float((got - int8).abs().max()) < 5e-3 < 2e-2 < float((got - flt).abs().max())
     calls = []
-    eng = Engine(model, EngineConfig(num_pages=48, kv_cache="int8", use_kernels=True))
+    eng = Engine(model, EngineConfig(num_pages=48, kv_cache=kq.engine_cache("int8"), use_kernels=True))
     decode = eng.runner.cache.decode
 
     def checked(layer, q, table, lens, *, use_kernels):
@@ -306,7 +307,7 @@ def test_engine_int8_greedy_equals_float_until_a_near_tie(model, float_run):
 
 def test_engine_bytes_shrink_as_computed(model, float_run):
     f_eng, _ = float_run
-    q_eng = Engine(model, EngineConfig(num_pages=48, kv_cache="int8"))
+    q_eng = Engine(model, EngineConfig(num_pages=48, kv_cache=kq.engine_cache("int8")))
     L, pages, Hkv, D = 4, 48, 2, 32
     assert f_eng.runner.cache.nbytes() == 2 * L * pages * Hkv * P * D * 4               # fp32 pages
     assert q_eng.runner.cache.nbytes() == 2 * L * pages * Hkv * P * (D * 1 + 2)         # int8 codes + fp16 scale
@@ -314,9 +315,13 @@ def test_engine_bytes_shrink_as_computed(model, float_run):
 
 def test_engine_refuses_unknown_and_unserved_schemes(model):
     with pytest.raises(ValueError, match="unknown scheme 'int3'"):
-        Engine(model, EngineConfig(kv_cache="int3"))
+        kq.engine_cache("int3")
     with pytest.raises(ValueError, match="'kivi2' is not served"):
-        Engine(model, EngineConfig(kv_cache="kivi2"))
+        kq.engine_cache("kivi2")
+    with pytest.raises(ValueError, match="leave EngineConfig.kv_cache as None"):
+        kq.engine_cache("float")
+    with pytest.raises(TypeError, match="cache factory"):         # a bare name is refused, not ignored
+        Engine(model, EngineConfig(kv_cache="int8"))
 
 
 def test_compile_jobs_at_llama3_8b():

@@ -502,14 +502,22 @@ class QuantizedPagedKVCache:
         return sum(qp.nbytes() for qp in self.k + self.v)
 
 
-def make_cache(kv_cache: str, n_layer: int, num_pages: int, n_kv_head: int, page_size: int,
-               head_dim: int) -> QuantizedPagedKVCache:
-    """The engine's cache for ``EngineConfig.kv_cache`` when it is not "float"; an unknown name raises,
-    naming it, and a scheme the engine cannot serve raises, naming those it can."""
-    if kv_cache not in SCHEMES:
-        raise ValueError(f"EngineConfig.kv_cache: unknown scheme {kv_cache!r}; the engine serves "
-                         f"{', '.join(ENGINE_SCHEMES)}")
-    return QuantizedPagedKVCache(n_layer, num_pages, n_kv_head, page_size, head_dim, kv_cache)
+def engine_cache(scheme_name: str):
+    """The cache factory ``EngineConfig(kv_cache=engine_cache("int8"))`` takes: (n_layer, num_pages,
+    n_kv_head, page_size, head_dim) -> a :class:`QuantizedPagedKVCache` of that scheme. An unknown
+    name, or a scheme the engine cannot serve, is refused here, naming it and those it can serve."""
+    if scheme_name == "float":
+        raise ValueError("engine_cache: float pages are the engine's default: leave EngineConfig.kv_cache as None")
+    if scheme_name not in SCHEMES:
+        raise ValueError(f"engine_cache: unknown scheme {scheme_name!r}; the engine serves "
+                         f"{', '.join(n for n in ENGINE_SCHEMES if n != 'float')}")
+    if scheme_name not in ENGINE_SCHEMES or SCHEMES[scheme_name].k is None:
+        raise ValueError(f"engine_cache: scheme {scheme_name!r} is not served by the engine; it serves the "
+                         f"per-token schemes {', '.join(n for n in ENGINE_SCHEMES if n != 'float')}")
+
+    def make(n_layer: int, num_pages: int, n_kv_head: int, page_size: int, head_dim: int) -> QuantizedPagedKVCache:
+        return QuantizedPagedKVCache(n_layer, num_pages, n_kv_head, page_size, head_dim, scheme_name)
+    return make
 
 
 # ---------------------------------------------------------------- the tiny GPT with a quantized cache

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,14 +58,14 @@ class PagedRunner:
     """The model's parameters, a paged KV cache of ``num_pages`` pages, and one forward per step."""
 
     def __init__(self, model: GPT, num_pages: int, page_size: int, *, use_kernels: bool = False,
-                 kv_cache: str = "float"):
+                 kv_cache=None):
         cfg = model.config
         self.model, self.cfg, self.use_kernels = model, cfg, use_kernels
-        if kv_cache == "float":
-            self.cache = PagedKVCache(cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
-        else:                                  # quantized pages: kernels.kvcache.quantization
-            from kernels.kvcache.quantization import make_cache
-            self.cache = make_cache(kv_cache, cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
+        if kv_cache is not None and not callable(kv_cache):
+            raise TypeError(f"EngineConfig.kv_cache must be None (float pages) or a cache factory such as "
+                            f"kernels.kvcache.quantization.engine_cache('int8'), got {kv_cache!r}")
+        make = kv_cache or PagedKVCache        # (n_layer, num_pages, n_kv_head, page_size, head_dim) -> cache
+        self.cache = make(cfg.n_layer, num_pages, cfg.n_kv_head, page_size, cfg.head_dim)
         self.P = page_size
 
     @property
@@ -154,7 +155,8 @@ class EngineConfig:
     policy: str = "continuous"
     use_kernels: bool = False      # Triton paged decode attention and the Triton sampler
     seed: int = 0                  # draws the seeds of requests that bring none
-    kv_cache: str = "float"        # "float", or a quantized scheme: "int8", "fp8" ... (kernels.kvcache.quantization)
+    kv_cache: Callable | None = None   # builds the KV cache; None: float pages (PagedKVCache); quantized:
+                                       # kernels.kvcache.quantization.engine_cache("int8"), "fp8", ...
 
 
 @dataclass
