@@ -121,7 +121,7 @@ def learn(w: torch.Tensor, g: int, M: int, B: int, *, iters: int = 4, seed: int 
     errors = []
     steps = range(iters)
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
         steps = tqdm(steps, desc=f"AQLM g={g} M={M} B={B}", leave=False)
     for _ in steps:
         codebooks = update_codebooks(v, codes, n_codes)
@@ -146,8 +146,7 @@ class Tile(NamedTuple):
     num_stages: int
 
 
-DECODE_TILE = Tile(16, 64, 64, 4, 3)       # batch 1..16: one row of tiles
-CPU_TILE = Tile(16, 32, 32, 4, 1)
+DECODE_TILE = Tile(16, 64, 64, 4, 3)       # batch 1..16: one row of tiles (also the interpreter's: fewer programs)
 
 
 @triton.jit
@@ -219,7 +218,7 @@ def aqlm_matmul(x, codes, codebooks, scales, *, tile: Tile | None = None, _first
 
     ``_first_book_only`` (sum only codebook 0) and ``_group_shift`` (read the codes of group j + 1 for
     group j) are the broken variants the checks must catch."""
-    tile = tile or (DECODE_TILE if x.is_cuda else CPU_TILE)
+    tile = tile or DECODE_TILE
     _check(x, codes, codebooks, scales, tile)
     y = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype, device=x.device)
     grid, args, kwargs = _launch_args(x, codes, codebooks, scales, y, tile, first_book_only=_first_book_only,

@@ -6,7 +6,7 @@ E8 is the densest packing of spheres in 8 dimensions; as a quantizer of Gaussian
 incoherence processing makes of the weights) it has a lower mean squared error per bit than
 rounding each coordinate to Z, because its Voronoi cell is rounder than a cube.
 
-**Nearest point** (Conway and Sloane, "Sphere Packings, Lattices and Groups", ch. 20): for D8,
+**Nearest point** (Conway and Sloane, "Fast quantizing and decoding algorithms", 1982): for D8,
 round every coordinate; if the rounded sum is odd, re-round the coordinate with the largest rounding
 error the other way. For E8, decode x in D8 and x - 1/2 in D8 (then add 1/2 back), and keep the
 closer of the two (:func:`nearest_e8`). :func:`nearest_e8_brute` checks it by enumeration.
@@ -20,7 +20,8 @@ fixed by the parity that keeps the point in the lattice coset) and one bit for a
 build E8P: it decodes to the whole lattice (unbounded, so not a fixed-rate code) and measures
 the error of E8 against per-coordinate rounding (Z^8) at the same density: both lattices have one
 point per unit volume (D8 has index 2 in Z^8 and E8 has D8 with index 2), and E8's mean squared
-error per coordinate, its normalized second moment 929/12960 = 0.0717, is 0.86 of Z's 1/12.
+error per coordinate on uniform data, 0.0717 (Conway and Sloane, "Voronoi regions of lattices", 1982;
+929/12960 exactly), is 0.86 of Z's 1/12.
 
 Shapes: x (..., 8) float64; results (..., 8) float64.
 """
