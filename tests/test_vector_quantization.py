@@ -63,8 +63,6 @@ def test_e8_beats_z8_at_the_same_density():
 def test_e8_bad_input():
     with pytest.raises(ValueError, match="last dimension must be 8"):
         e8.nearest_e8(torch.zeros(3, 7))
-    with pytest.raises(ValueError, match="K a multiple of 8"):
-        e8.quantize_scaled(torch.zeros(2, 12), 1.0)
     with pytest.raises(ValueError, match=r"\|x_i\| must be <= 1/2"):
         e8.nearest_e8_brute(torch.ones(1, 8))
 

@@ -262,8 +262,3 @@ def compile_jobs() -> dict:
     return {f"{label}, g{g} M{M} B{B}": launch_job(T, N, K, g, M, B)
             for label, T, N, K in REAL_SHAPES for g, M, B in REAL_FORMATS}
 
-
-def codebook_bytes(M: int, B: int, g: int, bytes_per: int = 2) -> int:
-    """Bytes of the M codebooks: M 2^B g entries."""
-    return M * 2 ** B * g * bytes_per
-

@@ -45,7 +45,7 @@ def nearest_d8(x: torch.Tensor) -> torch.Tensor:
     odd = (f.sum(-1) % 2) != 0                                          # (...,) the rounded point is not in D8
     err = x - f                                                         # in [-1/2, 1/2]
     worst = err.abs().argmax(-1, keepdim=True)                          # the coordinate cheapest to re-round
-    step = torch.gather(err, -1, worst).sign() + (torch.gather(err, -1, worst) == 0)   # towards x: the other neighbour
+    step = torch.where(torch.gather(err, -1, worst) >= 0, 1.0, -1.0).double()   # to the other neighbour of x
     fixed = f.scatter_add(-1, worst, step)
     return torch.where(odd[..., None], fixed, f)
 
@@ -86,15 +86,4 @@ def nearest_e8_brute(x: torch.Tensor) -> torch.Tensor:
     if x.abs().max() > 0.5:
         raise ValueError("nearest_e8_brute enumerates points with coordinates in [-1.5, 1.5]: |x_i| must be <= 1/2")
     return nearest_brute(x, e8_points(1.5))
-
-
-def quantize_scaled(w: torch.Tensor, scale: float, lattice: str = "e8") -> torch.Tensor:
-    """Round w (N, K) in groups of 8 consecutive weights to ``scale`` x (E8 or Z^8), (N, K)."""
-    if w.dim() != 2 or w.shape[1] % 8:
-        raise ValueError(f"w must be (N, K) with K a multiple of 8, got {tuple(w.shape)}")
-    if lattice not in ("e8", "z8"):
-        raise ValueError(f"lattice must be 'e8' or 'z8', got {lattice!r}")
-    v = w.double().reshape(-1, 8) / scale
-    q = nearest_e8(v) if lattice == "e8" else torch.round(v)
-    return (q * scale).reshape(w.shape)
 
