@@ -150,6 +150,8 @@ def test_aot_at_llama3_8b_sizes_no_spills(builds):
 
 
 def test_launch_job_is_the_launch():
-    spec = aqlm.launch_job(1, 4096, 4096, 8, 2, 8).specialization().splitlines()
+    job = aqlm.launch_job(1, 4096, 4096, 8, 2, 8)
+    assert job.grid == (1, 64) and job.programs == 64
+    spec = job.specialization().splitlines()
     for line in ("T: =1", "stride_xk: =1", "stride_yn: =1", "N: i32 %16", "c_ptr: *u8 %16", "cb_ptr: *fp16 %16"):
         assert line in spec, (line, spec)

@@ -253,8 +253,8 @@ def launch_job(T: int, N: int, K: int, g: int = 8, M: int = 2, B: int = 8, *, ti
     codebooks = torch.empty(M, 2 ** B, g, dtype=torch.float16, **meta)
     scales = torch.empty(N, dtype=torch.float16, **meta)
     y = torch.empty(T, N, dtype=torch.float16, **meta)
-    _, args, kwargs = _launch_args(x, codes, codebooks, scales, y, tile)
-    return ki.launch_job(_aqlm_kernel, *args, **kwargs)
+    grid, args, kwargs = _launch_args(x, codes, codebooks, scales, y, tile)
+    return ki.launch_job(_aqlm_kernel, *args, grid=grid, **kwargs)
 
 
 def compile_jobs() -> dict:
