@@ -99,9 +99,10 @@ def update_codebooks(v: torch.Tensor, codes: torch.Tensor, n_codes: int, *, ridg
 
 def learn(w: torch.Tensor, g: int, M: int, B: int, *, iters: int = 4, seed: int = 0,
           progress: bool = False) -> tuple[Quantized, list[float]]:
-    """Learn codes and codebooks for w (N, K): initial codebooks by k-means-style sampling of the
-    residual groups, then ``iters`` rounds of (codes, codebooks). Returns the result and the
-    Frobenius error ||W/s - W_hat/s||^2 after each round (non-increasing)."""
+    """Learn codes and codebooks for w (N, K): codebook m starts as 2^B groups sampled from what
+    codebooks 0..m-1 leave, then ``iters`` rounds of (codebooks by least squares, codes by coordinate
+    descent). Returns the result and the Frobenius error ||W/s - W_hat/s||^2 after each round
+    (non-increasing). ``progress`` shows a tqdm bar over the rounds."""
     if w.dim() != 2 or w.shape[1] % g:
         raise ValueError(f"group size g={g} does not divide K={w.shape[1] if w.dim() == 2 else '?'} of w {tuple(w.shape)}")
     if not (1 <= B <= 8) or M < 1:
