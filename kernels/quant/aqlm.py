@@ -1,0 +1,265 @@
+"""AQLM's additive codebooks, learned on a layer, and a Triton matmul that decodes them in the kernel.
+
+W (N, K) is cut into groups of g consecutive inputs; row n's group j is a per-row scale times the
+sum of M codewords, one from each codebook C_m (2^B, g) (Egiazarian et al., 2024):
+
+    W[n, j g : (j + 1) g] ~ s_n sum_{m < M} C_m[b_{n j m}]                                  (1)
+
+so the weight costs M B / g bits for the codes plus the codebooks, M 2^B g fp16 numbers shared by
+the whole layer, and one fp16 scale per row (:func:`bits_per_weight`). AQLM's 2-bit format is
+g = 8, M = 1, B = 16: a 2^16 x 8 codebook per layer, 1 MiB, amortised over a 7B model's layers.
+
+**Learning** (:func:`learn`) alternates, as AQLM does: *codes* with the codebooks fixed, *codebooks*
+with the codes fixed. Codes: greedy residual (codebook m picks the codeword nearest to what
+codebooks 0..m-1 left), then rounds of coordinate descent (each codebook re-picks against the others'
+sum); AQLM uses a beam search over the same moves, which this module does not do. Codebooks: with the
+codes fixed, equation (1) is linear in the codewords, so the best codebooks are a least-squares solve
+with the (M 2^B, M 2^B) co-occurrence matrix of the codes (:func:`update_codebooks`). Each step
+cannot increase the error. The objective here is the Frobenius error ||W / s - W_hat / s||^2;
+AQLM minimises the layer's output error ||(W - W_hat) X^T||^2 and fine-tunes the codebooks with Adam
+(a difference stated, not reproduced).
+
+**The kernel** (:func:`aqlm_matmul`) computes y = x W^T with W rebuilt tile by tile from the codes:
+for each (BLOCK_N, BLOCK_K) tile it loads the uint8 codes, gathers the codewords from the codebooks
+(fp16, M 2^B g of them: 8 KiB at M = 2, B = 8, g = 8, which stays in L1/L2), sums them, and feeds an
+fp16 ``tl.dot``; the row scales multiply the fp32 accumulator at the end. Shapes: x (M_tok, K) fp16 or
+fp32; codes (N, K / g, M) uint8; codebooks (M, 2^B, g) fp16/fp32; scales (N,) fp16/fp32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Quantized(NamedTuple):
+    """One layer in the format of equation (1)."""
+
+    codes: torch.Tensor       # (N, K / g, M) int64
+    codebooks: torch.Tensor   # (M, 2^B, g) float64
+    scales: torch.Tensor      # (N,) float64
+
+
+def bits_per_weight(N: int, K: int, g: int, M: int, B: int) -> float:
+    """Codes (M B / g per weight) plus the fp16 codebooks (M 2^B g x 16 bits) and fp16 row scales
+    (16 N bits) amortised over the N K weights of one layer."""
+    return M * B / g + (M * 2 ** B * g * 16 + 16 * N) / (N * K)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """Equation (1): W_hat (N, K) float64."""
+    N, G, M = q.codes.shape
+    g = q.codebooks.shape[2]
+    groups = sum(q.codebooks[m].double()[q.codes[:, :, m]] for m in range(M))     # (N, G, g)
+    return groups.reshape(N, G * g) * q.scales.double()[:, None]
+
+
+def _groups(w: torch.Tensor, g: int, scales: torch.Tensor) -> torch.Tensor:
+    """W / s cut into groups: (N G, g)."""
+    N, K = w.shape
+    return (w.double() / scales[:, None]).reshape(N * (K // g), g)
+
+
+def assign_codes(v: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor | None = None, *,
+                 rounds: int = 1) -> torch.Tensor:
+    """Codes (P, M) for the vectors v (P, g): greedy residual when ``codes`` is None, then ``rounds``
+    of coordinate descent, each codebook re-picking its codeword against the sum of the others'."""
+    M = codebooks.shape[0]
+    if codes is None:
+        codes = torch.zeros(v.shape[0], M, dtype=torch.int64)
+        residual = v.clone()
+        for m in range(M):
+            codes[:, m] = torch.cdist(residual, codebooks[m]).argmin(1)
+            residual -= codebooks[m][codes[:, m]]
+    for _ in range(rounds):
+        for m in range(M):
+            others = sum(codebooks[j][codes[:, j]] for j in range(M) if j != m)
+            codes[:, m] = torch.cdist(v - others, codebooks[m]).argmin(1)
+    return codes
+
+
+def update_codebooks(v: torch.Tensor, codes: torch.Tensor, n_codes: int, *, ridge: float = 1e-9) -> torch.Tensor:
+    """The least-squares codebooks (M, 2^B, g) for fixed codes (P, M): with A (P, M 2^B) the one-hot
+    matrix of the codes, minimise ||v - A C||^2, i.e. (A^T A) C = A^T v (a small ridge keeps unused
+    codewords at zero instead of making the system singular)."""
+    P, M = codes.shape
+    flat = codes + torch.arange(M)[None, :] * n_codes                  # (P, M) column of A per codebook
+    ata = torch.zeros(M * n_codes, M * n_codes, dtype=torch.float64)
+    for a in range(M):
+        for b in range(M):
+            ata.index_put_((flat[:, a], flat[:, b]), torch.ones(P, dtype=torch.float64), accumulate=True)
+    atv = torch.zeros(M * n_codes, v.shape[1], dtype=torch.float64)
+    for a in range(M):
+        atv.index_add_(0, flat[:, a], v)
+    c = torch.linalg.solve(ata + ridge * torch.eye(M * n_codes, dtype=torch.float64), atv)
+    return c.reshape(M, n_codes, v.shape[1])
+
+
+def learn(w: torch.Tensor, g: int, M: int, B: int, *, iters: int = 4, seed: int = 0,
+          progress: bool = False) -> tuple[Quantized, list[float]]:
+    """Learn codes and codebooks for w (N, K): codebook m starts as 2^B groups sampled from what
+    codebooks 0..m-1 leave, then ``iters`` rounds of (codebooks by least squares, codes by coordinate
+    descent). Returns the result and the Frobenius error ||W/s - W_hat/s||^2 after each round
+    (non-increasing). ``progress`` shows a tqdm bar over the rounds."""
+    if w.dim() != 2 or w.shape[1] % g:
+        raise ValueError(f"group size g={g} does not divide K={w.shape[1] if w.dim() == 2 else '?'} of w {tuple(w.shape)}")
+    if not (1 <= B <= 8) or M < 1:
+        raise ValueError(f"B must be in 1..8 (uint8 codes) and M >= 1, got B={B}, M={M}")
+    N, K = w.shape
+    scales = w.double().pow(2).mean(1).sqrt().clamp_min(1e-12)          # (N,) row rms
+    v = _groups(w, g, scales)                                           # (P, g)
+    n_codes = 2 ** B
+    gen = torch.Generator().manual_seed(seed)
+    books, residual = [], v.clone()
+    for _ in range(M):                                                  # residual-sampled initial codewords
+        book = residual[torch.randperm(v.shape[0], generator=gen)[:n_codes]].clone()
+        books.append(book)
+        residual -= book[torch.cdist(residual, book).argmin(1)]
+    codebooks = torch.stack(books)
+    codes = assign_codes(v, codebooks, rounds=0)
+    errors = []
+    steps = range(iters)
+    if progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=f"AQLM g={g} M={M} B={B}", leave=False)
+    for _ in steps:
+        codebooks = update_codebooks(v, codes, n_codes)
+        codes = assign_codes(v, codebooks, codes, rounds=1)
+        errors.append(float(((v - sum(codebooks[m][codes[:, m]] for m in range(M))) ** 2).sum()))
+    return Quantized(codes.reshape(N, K // g, M), codebooks, scales), errors
+
+
+def aqlm_matmul_ref(x: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """Dequantize-then-matmul in float64: y (M_tok, N)."""
+    return x.double() @ dequantize(q).T
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton: codes decoded inside the matmul
+
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE_TILE = Tile(16, 64, 64, 4, 3)       # batch 1..16: one row of tiles (also the interpreter's: fewer programs)
+
+
+@triton.jit
+def _aqlm_kernel(x_ptr, c_ptr, cb_ptr, s_ptr, y_ptr, T, N, K,
+                 stride_xm, stride_xk, stride_cn, stride_cg, stride_ym, stride_yn,
+                 G: tl.constexpr, NBOOKS: tl.constexpr, NCODES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FIRST_BOOK_ONLY: tl.constexpr, GROUP_SHIFT: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BM,)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BN,)
+    offs_k = tl.arange(0, BLOCK_K)                                     # (BK,)
+    m_ok, n_ok = offs_m < T, offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm          # (BM, 1)
+    c_rows = c_ptr + offs_n.to(tl.int64)[:, None] * stride_cn          # (BN, 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):                                    # K % BLOCK_K == 0, BLOCK_K % G == 0
+        k = k0 + offs_k
+        x = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)       # (BM, BK)
+        grp = (k // G + GROUP_SHIFT) % (K // G)                        # the group of column k (broken: shifted)
+        w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for m in tl.static_range(NBOOKS if not FIRST_BOOK_ONLY else 1):
+            code = tl.load(c_rows + grp[None, :] * stride_cg + m, mask=n_ok[:, None], other=0).to(tl.int32)
+            # codeword entry k % G of codeword `code` of codebook m: (BN, BK), equation (1)'s sum
+            w += tl.load(cb_ptr + (m * NCODES + code) * G + (k % G)[None, :]).to(tl.float32)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)                  # (BM, BK) x (BK, BN)
+    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    acc = acc * s[None, :]                                             # the row scales s_n
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(x, codes, codebooks, scales, tile: Tile):
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"x must be a 2-D fp16 or fp32 tensor, got {x.dtype} with shape {tuple(x.shape)}")
+    if codes.dim() != 3 or codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be (N, K / g, M) uint8, got {codes.dtype} with shape {tuple(codes.shape)}")
+    if codebooks.dim() != 3 or codebooks.shape[0] != codes.shape[2] or codebooks.shape[1] > 256:
+        raise ValueError(f"codebooks must be (M, 2^B <= 256, g) with M={codes.shape[2]} from codes, "
+                         f"got {tuple(codebooks.shape)}")
+    K, g = x.shape[1], codebooks.shape[2]
+    if codes.shape[1] * g != K:
+        raise ValueError(f"codes (N, K / g, M) must have K / g = {K}/{g} groups, got {codes.shape[1]}")
+    if K % tile.block_k or tile.block_k % g:
+        raise ValueError(f"BLOCK_K={tile.block_k} must divide K={K} and be a multiple of g={g}")
+    if scales.shape != (codes.shape[0],):
+        raise ValueError(f"scales must be (N,) = ({codes.shape[0]},), got {tuple(scales.shape)}")
+    if not codes.is_contiguous() or not codebooks.is_contiguous():
+        raise ValueError("codes and codebooks must be contiguous")
+
+
+def _launch_args(x, codes, codebooks, scales, y, tile: Tile, *, first_book_only=False, group_shift=0):
+    """(grid, args, kwargs) of one launch: what :func:`aqlm_matmul` runs and :func:`launch_job` compiles."""
+    T, K = x.shape
+    N, _, M = codes.shape
+    grid = (triton.cdiv(T, tile.block_m), triton.cdiv(N, tile.block_n))
+    args = (x, codes, codebooks, scales, y, T, N, K, x.stride(0), x.stride(1), codes.stride(0), codes.stride(1),
+            y.stride(0), y.stride(1))
+    kwargs = dict(G=codebooks.shape[2], NBOOKS=M, NCODES=codebooks.shape[1], BLOCK_M=tile.block_m,
+                  BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FIRST_BOOK_ONLY=first_book_only,
+                  GROUP_SHIFT=group_shift, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return grid, args, kwargs
+
+
+def aqlm_matmul(x, codes, codebooks, scales, *, tile: Tile | None = None, _first_book_only=False,
+                _group_shift=0):
+    """y (M_tok, N) = x W^T with W decoded from the codes in the kernel (equation 1).
+
+    ``_first_book_only`` (sum only codebook 0) and ``_group_shift`` (read the codes of group j + 1 for
+    group j) are the broken variants the checks must catch."""
+    tile = tile or DECODE_TILE
+    _check(x, codes, codebooks, scales, tile)
+    y = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype, device=x.device)
+    grid, args, kwargs = _launch_args(x, codes, codebooks, scales, y, tile, first_book_only=_first_book_only,
+                                      group_shift=_group_shift)
+    _aqlm_kernel[grid](*args, **kwargs)
+    return y
+
+
+def to_kernel_format(q: Quantized, dtype=torch.float16):
+    """(codes uint8 (N, K / g, M), codebooks (M, 2^B, g) and scales (N,) in ``dtype``) for :func:`aqlm_matmul`."""
+    return q.codes.to(torch.uint8).contiguous(), q.codebooks.to(dtype).contiguous(), q.scales.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile jobs at a real model's size
+
+# (label, tokens, N, K): Llama-3-8B's attention output (4096 x 4096) and gate/up (14336 x 4096)
+REAL_SHAPES = (
+    ("Llama-3-8B o_proj, batch 1", 1, 4096, 4096),
+    ("Llama-3-8B gate/up, batch 16", 16, 14336, 4096),
+)
+REAL_FORMATS = ((8, 1, 8), (8, 2, 8))       # (g, M, B): 1 and 2 bits of codes per weight
+
+
+def launch_job(T: int, N: int, K: int, g: int = 8, M: int = 2, B: int = 8, *, tile: Tile = DECODE_TILE):
+    """The :class:`kernels.inspect.TritonJob` of one launch at (T, N, K) on meta tensors (no memory)."""
+    from kernels import inspect as ki
+
+    meta = dict(device="meta")
+    x = torch.empty(T, K, dtype=torch.float16, **meta)
+    codes = torch.empty(N, K // g, M, dtype=torch.uint8, **meta)
+    codebooks = torch.empty(M, 2 ** B, g, dtype=torch.float16, **meta)
+    scales = torch.empty(N, dtype=torch.float16, **meta)
+    y = torch.empty(T, N, dtype=torch.float16, **meta)
+    grid, args, kwargs = _launch_args(x, codes, codebooks, scales, y, tile)
+    return ki.launch_job(_aqlm_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """:data:`REAL_SHAPES` x :data:`REAL_FORMATS`, fp16 activations, the decode tile."""
+    return {f"{label}, g{g} M{M} B{B}": launch_job(T, N, K, g, M, B)
+            for label, T, N, K in REAL_SHAPES for g, M, B in REAL_FORMATS}
+
