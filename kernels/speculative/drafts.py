@@ -75,10 +75,12 @@ class NgramPool:
 
 @torch.no_grad()
 def speculative_greedy(model: GPT, prompt: list[int], max_new_tokens: int, drafter: Callable[[list[int]], list[int]],
-                       gamma: int) -> tuple[list[int], int, list[int]]:
+                       gamma: int, *, _keep_rejected: bool = False) -> tuple[list[int], int, list[int]]:
     """Greedy decoding with drafts verified by the target: (tokens, target forwards, accepted per step).
 
-    The forwards count the prefill too, as plain decoding's max_new_tokens forwards do."""
+    The forwards count the prefill too, as plain decoding's max_new_tokens forwards do.
+    ``_keep_rejected=True`` is a deliberately broken variant: at a rejection it emits the rejected
+    draft token instead of the target's."""
     if gamma < 1 or max_new_tokens < 1:
         raise ValueError(f"speculative_greedy: gamma and max_new_tokens must be >= 1, got {gamma}, {max_new_tokens}")
     if len(prompt) + max_new_tokens + gamma > model.config.block_size:
@@ -96,7 +98,7 @@ def speculative_greedy(model: GPT, prompt: list[int], max_new_tokens: int, draft
         k = 0
         while k < len(draft) and draft[k] == pred[k]:
             k += 1
-        out += draft[:k] + [pred[k]]
+        out += draft[:k] + [draft[k] if _keep_rejected and k < len(draft) else pred[k]]
         cache.seqlens -= len(draft) - k                                   # forget the rejected drafts' keys
         accepted.append(k)
     return out, forwards, accepted
