@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.w8a8 import Tile   # (BLOCK_M, BLOCK_N, BLOCK_K), warps, stages: the quantized GEMMs' launch
+
 
 class Quantized(NamedTuple):
     """One layer in the format of equation (1)."""
@@ -138,14 +140,6 @@ def aqlm_matmul_ref(x: torch.Tensor, q: Quantized) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # Triton: codes decoded inside the matmul
-
-class Tile(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
 
 DECODE_TILE = Tile(16, 64, 64, 4, 3)       # batch 1..16: one row of tiles (also the interpreter's: fewer programs)
 

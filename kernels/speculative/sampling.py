@@ -43,8 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import runtime
-from kernels.serving.sampling import uniform_ref
+from kernels.serving.sampling import GPU_BLOCK_V, default_block_v, uniform_ref   # the sampler's row tiles
 
 RULES = ("exact", "biased", "resample_p")
 
@@ -283,17 +282,6 @@ def _verify_kernel(
     out = tl.where(jj < n, dd, tl.where(jj == n, last, -1))
     tl.store(tok_ptr + b * (G + 1) + jj, out, mask=jjm)
     tl.store(n_ptr + b, n)
-
-
-GPU_BLOCK_V = 1024
-INTERPRETER_BLOCK_V = 4096
-
-
-def default_block_v(vocab: int) -> int:
-    """Probabilities per tile: the whole row under the interpreter (up to 4096), GPU_BLOCK_V on a GPU."""
-    if runtime.runtime().interpreted:
-        return min(INTERPRETER_BLOCK_V, triton.next_power_of_2(vocab))
-    return GPU_BLOCK_V
 
 
 def _verify_args(p, q, draft, u, keys, n, tokens, *, block_v: int, rule: str = "exact", num_warps: int = 4):
