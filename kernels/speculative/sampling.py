@@ -127,19 +127,35 @@ def target_distribution(p_fn, prefix: tuple, vocab: int, length: int) -> dict:
     return out
 
 
-def one_step_output(p: torch.Tensor, q: torch.Tensor, rule: str = "exact") -> torch.Tensor:
-    """The distribution of the first emitted token in closed form (float64), for (V,) p and q:
-    sum_x q(x) a(x) [x] + (1 - sum_x q(x) a(x)) * resample."""
-    p, q = p.double(), q.double()
-    if rule == "biased":
-        a = (p >= q).double()
-    elif rule in ("exact", "resample_p"):
-        a = torch.where(q > 0, torch.clamp(p / q.clamp_min(1e-300), max=1.0), torch.zeros_like(q))
-    else:
-        raise ValueError(f"one_step_output: rule must be one of {RULES}, got {rule!r}")
+def accept_probability_ref(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """a(x) = min(1, p(x) / q(x)) where q(x) > 0, else 0: the chance that a drafted x is kept. (..., V)"""
+    return torch.where(q > 0, torch.clamp(p / q.clamp_min(1e-300), max=1.0), torch.zeros_like(q))
+
+
+def residual_ref(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """r = max(0, p - q) / sum max(0, p - q) over the last dim, the distribution drawn after a rejection;
+    p itself where p <= q everywhere (p = q: then every draft is accepted and r is never drawn). (..., V)"""
+    r = (p - q).clamp_min(0)
+    z = r.sum(-1, keepdim=True)
+    return torch.where(z > 0, r / torch.where(z > 0, z, torch.ones_like(z)), p)
+
+
+def emitted_distribution(a: torch.Tensor, r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What one step emits first, in closed form, from the acceptance a and the resampling
+    distribution r: P(x) = q(x) a(x) + (1 - sum_y q(y) a(y)) r(x). (..., V)"""
     kept = q * a
-    r = (p - q).clamp_min(0) if rule == "exact" else p
-    return kept + (1 - kept.sum()) * r / r.sum()
+    return kept + (1 - kept.sum(-1, keepdim=True)) * r
+
+
+def one_step_output(p: torch.Tensor, q: torch.Tensor, rule: str = "exact") -> torch.Tensor:
+    """The distribution of the first emitted token in closed form (float64), for (V,) p and q, under
+    ``rule``: :func:`emitted_distribution` of its acceptance and its resampling distribution."""
+    p, q = p.double(), q.double()
+    if rule not in RULES:
+        raise ValueError(f"one_step_output: rule must be one of {RULES}, got {rule!r}")
+    a = (p >= q).double() if rule == "biased" else accept_probability_ref(p, q)
+    r = residual_ref(p, q) if rule == "exact" else p
+    return emitted_distribution(a, r, q)
 
 
 def expected_tokens(alpha, gamma: int):
