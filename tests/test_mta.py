@@ -3,9 +3,6 @@ blocks, one token, non-causal, NaN canaries), the reference against the paper's 
 causal leak of the broken variant (mask only after the conv), MTA at identity = standard attention,
 head mixing, the pair task and the sm90a build of the 830M layer."""
 import kernels  # noqa: F401
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -112,7 +109,7 @@ def test_pair_task_has_exactly_one_pair_at_the_target():
 
 
 def test_committed_run_and_a_short_slice_of_it():
-    res = json.loads((Path(__file__).resolve().parents[1] / "models/mta/pair_task.json").read_text())
+    res = M.load_pair_run()
     assert min(res["mta"]) >= 0.99 and max(res["standard"]) <= res["ceiling"] + 0.02
     mta, _ = M.train_pair_pointer(mta=True, steps=80, batch=128)
     std, _ = M.train_pair_pointer(mta=False, steps=80, batch=128)

@@ -33,6 +33,7 @@ with c_k odd; causal needs Nq == Nk.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from kernels.attention.reference import causal_mask
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GPU_BLOCKS = (64, 64, 4)          # BLOCK_M, BLOCK_N, num_warps
 CPU_BLOCKS = (32, 64, 4)
+PAIR_RUN = Path(__file__).resolve().parents[2] / "models" / "mta" / "pair_task.json"   # python -m kernels.attention.mta
 # The paper's 830M MTA model (facebookresearch/RAM@180d1bad, projects/mta/configs/830M_mta.yaml):
 # dim 1536, 24 layers, 16 heads (head dim 96), sequence length 2048, batch 4 per GPU, c_q = 6, c_k = 11,
 # head kernel 16, MTA in layers 2, 6, 10, 14, 18, 22.
@@ -176,7 +178,7 @@ def _kq_conv_kernel(
         tl.store(o_base + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc,
                  mask=row_ok[:, None] & (cols < Nk)[None, :])
     if CAUSAL:
-        for start_n in range(tl.cdiv(n_conv, BLOCK_N) * BLOCK_N, Nk, BLOCK_N):                       # wholly in the future
+        for start_n in range(tl.cdiv(n_conv, BLOCK_N) * BLOCK_N, Nk, BLOCK_N):    # wholly in the future
             cols = start_n + tl.arange(0, BLOCK_N)
             tl.store(o_base + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
                      tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32),
@@ -364,6 +366,13 @@ def single_token_ceiling(n: int = 4000, *, seed: int = 123, length: int = 16, vo
     return float((1.0 / m.double()).mean())
 
 
+def load_pair_run() -> dict:
+    """The committed run's results (:data:`PAIR_RUN`)."""
+    import json
+
+    return json.loads(PAIR_RUN.read_text())
+
+
 def pair_run(seeds=(0, 1, 2), steps: int = 300, progress: bool = True) -> dict:
     """Train both models for each seed; accuracies on a held-out set (seed 123), learned kernels."""
     out = {"command": "python -m kernels.attention.mta", "steps": steps, "batch": 256, "length": 16, "vocab": 8,
@@ -381,13 +390,12 @@ def pair_run(seeds=(0, 1, 2), steps: int = 300, progress: bool = True) -> dict:
 if __name__ == "__main__":
     import json
     import time
-    from pathlib import Path
 
     torch.set_num_threads(1)
     t0 = time.time()
     result = pair_run()
     result["seconds"] = round(time.time() - t0, 1)
-    path = Path(__file__).resolve().parents[2] / "models" / "mta" / "pair_task.json"
+    path = PAIR_RUN
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(path, result)
