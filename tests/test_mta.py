@@ -62,6 +62,9 @@ def test_broken_variant_leaks_future_keys_and_the_kernel_does_not():
     assert float(good.abs().max()) == 0.0
     leaked = (bad.abs() > 1e-3).nonzero().flatten().tolist()
     assert leaked == list(range(i + 1 - 2, i + 1))                      # the last p = 2 visible keys of row i
+    ref_bad = M.key_query_conv_ref(s, th, mask_before=False)             # the broken kernel is that order, exactly
+    fin = torch.isfinite(ref_bad)
+    assert float((M.key_query_conv(s, th, broken=True)[fin] - ref_bad[fin]).abs().max()) <= 1e-4
 
 
 def test_identity_mta_is_standard_causal_attention():
