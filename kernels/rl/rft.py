@@ -89,21 +89,114 @@ def pass_at_k_exact(n: int, c: int, k: int) -> float:
 
 def pass_at_k_ref(n: torch.Tensor, c: torch.Tensor, k_max: int) -> torch.Tensor:
     """pass@k for k = 1..k_max of every problem, in float64: (P, k_max). n, c (P,) integer.
-    1 - prod_{i=n-c+1}^{n} (1 - k/i), 1 where n - c < k; NaN where k > n (undefined)."""
+    1 - prod_{i=n-c+1}^{n} (1 - k/i), and 1 where n - c < k; needs k_max <= min(n)."""
+    if len(n) and k_max > int(n.min()):
+        raise ValueError(f"pass_at_k_ref: k_max={k_max} exceeds the smallest n={int(n.min())}")
     n64, c64 = n.double()[:, None], c.double()[:, None]                            # (P, 1)
     k = torch.arange(1, k_max + 1, dtype=torch.float64)[None]                       # (1, K)
     j = torch.arange(int(c.max()) if len(c) else 0, dtype=torch.float64)[None, None]   # (1, 1, J)
     i = n64[..., None] - j                                                           # i = n, n-1, ..., n-c+1
     factor = torch.where(j < c64[..., None], 1 - k[..., None] / i, torch.ones(()))  # (P, K, J)
     out = 1 - factor.prod(-1)
-    out = torch.where(n64 - c64 < k, torch.ones(()), out)
-    return torch.where(k > n64, torch.full((), float("nan"), dtype=torch.float64), out)
+    return torch.where(n64 - c64 < k, torch.ones((), dtype=torch.float64), out)
 
 
 def pass_at_k_biased(n: torch.Tensor, c: torch.Tensor, k_max: int) -> torch.Tensor:
     """The plug-in estimate 1 - (1 - c/n)^k (with replacement): biased low for k > 1. (P, k_max)."""
     k = torch.arange(1, k_max + 1, dtype=torch.float64)[None]
     return 1 - (1 - c.double()[:, None] / n.double()[:, None]) ** k
+
+
+# ---------------------------------------------------------------- pass@k, the kernel
+
+@triton.jit
+def _pass_at_k_kernel(n_ptr, c_ptr, out_ptr, P, K, J, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BIASED: tl.constexpr = False):
+    """One program per (block of BLOCK_P problems, block of BLOCK_K values of k): out[p, k-1] = pass@k.
+    The product runs over j = 0..J-1 (J = the largest c), a factor (1 - k / (n - j)) where j < c.
+    BIASED=True (broken) computes the plug-in 1 - (1 - c/n)^k instead."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)       # problems, int64
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K) + 1                    # k = 1..K
+    row_ok, k_ok = rows < P, ks <= K
+    n = tl.load(n_ptr + rows, mask=row_ok, other=1).to(tl.float32)[:, None]        # (BLOCK_P, 1)
+    c = tl.load(c_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
+    k = ks.to(tl.float32)[None, :]                                                 # (1, BLOCK_K)
+    if BIASED:
+        keep = tl.exp(k * tl.log(1.0 - c / n))                                     # (1 - c/n)^k, with replacement
+    else:
+        keep = tl.full((BLOCK_P, BLOCK_K), 1.0, tl.float32)                        # C(n-c, k) / C(n, k)
+        for j in range(0, J):
+            factor = 1.0 - k / (n - j)                                             # i = n - j, i > n - c
+            keep *= tl.where(j < c, factor, 1.0)
+        keep = tl.where(n - c < k, 0.0, keep)                                      # every k-subset has a correct one
+    out = rows[:, None] * K + (ks - 1)[None, :]                                    # int64: P * K may pass 2**31
+    tl.store(out_ptr + out, 1.0 - keep, mask=row_ok[:, None] & k_ok[None, :])
+
+
+GPU_BLOCKS = (32, 32)      # (BLOCK_P, BLOCK_K): 1024 outputs per program, 8 per thread with 4 warps
+
+
+def _pass_at_k_args(n, c, out, k_max: int, max_c: int, biased: bool, block_p: int = GPU_BLOCKS[0],
+                    block_k: int = GPU_BLOCKS[1]):
+    """(grid, args, kwargs) of the pass@k launch; shared by :func:`pass_at_k` and :func:`aot_job`."""
+    P = n.numel()
+    return ((triton.cdiv(P, block_p), triton.cdiv(k_max, block_k)), (n, c, out, P, k_max, max_c),
+            dict(BLOCK_P=block_p, BLOCK_K=block_k, BIASED=biased, num_warps=4))
+
+
+def default_blocks(problems: int, k_max: int) -> tuple[int, int]:
+    """The tile: GPU_BLOCKS on a GPU; under the interpreter, where every loop iteration costs a numpy
+    call, one tile as large as the problem (up to 1024 x 256) so the loop over j runs once."""
+    if runtime.device().type == "cuda":
+        return GPU_BLOCKS
+    return min(1024, triton.next_power_of_2(problems)), min(256, triton.next_power_of_2(k_max))
+
+
+def pass_at_k(n: torch.Tensor, c: torch.Tensor, k_max: int, *, biased: bool = False,
+              blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """:func:`pass_at_k_ref` as a Triton kernel: pass@k for k = 1..k_max of P problems, float32 (P, k_max).
+    n, c (P,) integer tensors on the kernels' device, 0 <= c <= n, k_max <= min(n). ``blocks`` =
+    (BLOCK_P, BLOCK_K), powers of two (default :func:`default_blocks`). ``biased=True`` is broken."""
+    for name, t in (("n", n), ("c", c)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"pass_at_k: {name} must be a 1-D int32 or int64 tensor")
+        if t.device.type != runtime.device().type:
+            raise ValueError(f"pass_at_k: {name} is on {t.device}; kernels run on {runtime.device()}")
+    if n.shape != c.shape:
+        raise ValueError(f"pass_at_k: n and c must have the same shape, got {tuple(n.shape)} and {tuple(c.shape)}")
+    if not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"pass_at_k: k_max must be a positive int, got {k_max!r}")
+    out = torch.empty(n.numel(), k_max, dtype=torch.float32, device=n.device)
+    if n.numel() == 0:
+        return out
+    if bool((c < 0).any()) or bool((c > n).any()):
+        raise ValueError("pass_at_k: need 0 <= c <= n for every problem")
+    if k_max > int(n.min()):
+        raise ValueError(f"pass_at_k: k_max={k_max} exceeds the smallest n={int(n.min())} (pass@k needs k <= n)")
+    blocks = default_blocks(n.numel(), k_max) if blocks is None else tuple(blocks)
+    if len(blocks) != 2 or any(not isinstance(b, int) or b < 1 or b & (b - 1) for b in blocks):
+        raise ValueError(f"pass_at_k: blocks must be two powers of two (BLOCK_P, BLOCK_K), got {blocks!r}")
+    grid, args, kwargs = _pass_at_k_args(n.contiguous(), c.contiguous(), out, k_max, int(c.max()), biased, *blocks)
+    _pass_at_k_kernel[grid](*args, **kwargs)
+    return out
+
+
+def aot_job(problems: int = 164, n: int = 200, k_max: int = 100):
+    """The launch :func:`pass_at_k` makes for ``problems`` problems of n samples, k = 1..k_max, from meta
+    tensors (:func:`kernels.inspect.launch_job`). Defaults: HumanEval's 164 problems, 200 samples, k <= 100
+    (Chen et al. 2021)."""
+    from kernels import inspect as ki
+
+    nt = torch.empty(problems, dtype=torch.int64, device="meta")
+    grid, args, kwargs = _pass_at_k_args(nt, torch.empty_like(nt), torch.empty(problems, k_max, device="meta"),
+                                         k_max, n, False)
+    return ki.launch_job(_pass_at_k_kernel, *args, grid=grid, **kwargs)
+
+
+def compile_jobs() -> dict:
+    """HumanEval's pass@k table (164 x 200 samples, k <= 100) and a large sweep (100,000 problems, n = 256)."""
+    return {"pass@k, 164 problems, n=200, k<=100": aot_job(164, 200, 100),
+            "pass@k, 100000 problems, n=256, k<=256": aot_job(100_000, 256, 256)}
 
 
 # ---------------------------------------------------------------- the run
