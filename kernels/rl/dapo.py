@@ -18,8 +18,8 @@ DAPO (Yu et al. 2025, arXiv 2503.14476) changes four things in GRPO (kernels.rl.
 
 GPG (Chu et al. 2025, arXiv 2504.02546) drops the surrogate: no ratio, no clip, no KL, no reference
 model; the loss is -A_i log pi(o_{i,t}) averaged over all tokens, with A_i = alpha (r_i - mean_g r) / F_norm
-and alpha = B / (B - M), where M of the B answers sit in groups whose rewards are all equal (they carry
-no gradient, and alpha rescales the batch as if they had not been drawn). F_norm = 1 here.
+and alpha = B / (B - M); here M counts the answers in groups whose rewards are all equal (they carry no
+gradient; verl's implementation counts the zero rewards instead, see the chapter). F_norm = 1 here.
 
 GSPO (Zheng et al. 2025, arXiv 2507.18071) replaces the token ratio by one ratio per answer, the
 geometric mean of its token ratios,
@@ -36,7 +36,7 @@ tests must catch: 1 drops GSPO's 1/|o_i| exponent, 2 widens the lower clip bound
 applied to negative advantages).
 
 ``python -m kernels.rl.dapo`` trains the SFT checkpoint once per arm (GRPO baseline, each DAPO change
-alone, GSPO, GPG) and writes models/rl/dapo/<arm>/{log.csv, metrics.json} and models/rl/dapo/summary.json.
+alone, GSPO, GPG) and writes models/rl/dapo/<arm>/{log.csv, metrics.json}.
 """
 from __future__ import annotations
 
