@@ -311,6 +311,8 @@ ARMS = {
     "overlong_shaping": {"overlong": True},
     "gspo": {"ratio": "sequence", "eps_low": 3e-4, "eps_high": 4e-4},
     "gpg": {"ratio": "none", "aggregation": "token", "beta": 0.0, "advantage": "gpg"},
+    # a diagnostic, not a DAPO change: GPG with one update per batch (strictly on-policy, pi = pi_old)
+    "gpg_one_update": {"ratio": "none", "aggregation": "token", "beta": 0.0, "advantage": "gpg", "inner_steps": 1},
 }
 BASE = {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "sequence", "beta": 0.04, "ratio": "token",
         "dynamic": False, "overlong": False, "advantage": "grpo"}
@@ -343,6 +345,7 @@ def train_arm(arm: str, out_dir: Path | None, *, steps: int = 30, prompts_per_st
               progress: bool = True, stop_after: int | None = None) -> dict:
     """One arm from the SFT checkpoint; same seed, prompts and budget as every other arm. Returns {"log", "model"}."""
     cfg = dict(BASE, **ARMS[arm])
+    inner_steps = cfg.pop("inner_steps", inner_steps)
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     policy = sft.load_sft().train()
