@@ -31,7 +31,7 @@ unclipped term is active, d loss_i / d logp_{i,t} = -A_i s_i / |o_i| for every t
 
 The kernel (:func:`policy_loss`) takes per-answer advantages and computes the policy term for the three
 ratios, RATIO a constexpr: 0 token ratios (PPO/GRPO/DAPO), 1 sequence ratio (GSPO), 2 no ratio (GPG),
-writing each row's loss and every token's gradient in one pass. Two BROKEN constexprs are the bugs the
+writing each row's loss and every token's gradient in one pass. The BROKEN constexpr's two values are the bugs the
 tests must catch: 1 drops GSPO's 1/|o_i| exponent, 2 widens the lower clip bound with eps_high (clip-higher
 applied to negative advantages).
 
