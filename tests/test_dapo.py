@@ -177,3 +177,17 @@ def test_committed_runs_reproduce_their_first_step():
         assert got["reward"] == want["reward"], arm
         assert abs(got["kl"] - want["kl"]) < 1e-3 * max(1.0, want["kl"]) + 1e-5, arm
         assert abs(got["clip_fraction"] - want["clip_fraction"]) < 0.02, arm
+
+
+def test_token_ratio_equals_the_ppo_kernel_with_decoupled_clip():
+    """RATIO 0 is the GRPO chapter's path (kernels.rl.ppo with clip_eps_high, beta 0): same loss, same gradient."""
+    from kernels.rl.ppo import ppo_loss
+
+    logp, old, adv, mask = _inputs(11, 6, seed=5)
+    w = aggregation_weights(mask, "token")
+    ours = _grads(policy_loss, logp, old, adv, w, mask, ratio="token", eps_low=0.2, eps_high=0.28)
+    lp = logp.clone().requires_grad_()
+    loss = ppo_loss(lp, old, old, adv[:, None].expand_as(lp), w, clip_eps=0.2, clip_eps_high=0.28, beta=0.0)
+    loss.backward()
+    assert_close(ours[0], loss.detach(), name="loss")
+    assert_close(ours[1], lp.grad, name="dlogp")
