@@ -361,7 +361,7 @@ def _tree_attention_kernel(
 
 
 GPU_BLOCKS = (64, 64)          # BLOCK_M, BLOCK_N on a GPU
-CPU_BLOCKS = (16, 32)          # the interpreter: smaller tiles, fewer wasted rows
+CPU_BLOCKS = (64, 64)          # the interpreter: few large programs (its cost is per operation, not per element)
 
 
 def _tree_attention_args(q, k, v, lens, parent, out, *, max_depth: int, blocks, broken: bool = False,
