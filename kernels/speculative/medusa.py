@@ -26,7 +26,8 @@ forward of the base model that verifies the whole tree (Cai et al. 2024).
   and two rules at temperature > 0: ``"exact"`` (each node's candidates are tried in order, each
   accepted with its probability under the residual of the ones rejected before it: the output is
   distributed as the model's) and ``"typical"`` (the paper's typical acceptance: accept x when
-  p(x) > min(eps, delta * exp(-H(p))); the output is NOT distributed as the model's).
+  p(x) > min(eps, delta * exp(-H(p))), eps = 0.3 and delta = 0.09 by default as in the authors' code;
+  the output is NOT distributed as the model's).
 
 Shapes: B batch, Hq / Hkv query / key-value heads, T tree nodes (root included), D head dim,
 S cache slots, L the prefix length (cached positions before the tree), C d_model, V vocabulary.
@@ -494,7 +495,7 @@ def tv_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], max_new_tokens: int, tree: Tree, *,
-                    rule: str = "greedy", temperature: float = 0.0, eps: float = 0.3, delta: float = 0.3,
+                    rule: str = "greedy", temperature: float = 0.0, eps: float = 0.3, delta: float = 0.09,
                     generator: torch.Generator | None = None, attention: str = "ref"):
     """Medusa decoding at batch 1: (tokens, base-model forwards, tokens accepted from the tree per forward).
 
