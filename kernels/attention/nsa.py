@@ -463,3 +463,80 @@ def compile_jobs() -> dict:
     """The selected branch at :data:`REAL_CONFIGS`, a 64k-token bf16 prefill, l' = 64, n = 16."""
     return {f"{label}, 64k prefill, selected branch": launch_job(hq, hkv, dk, dv)
             for label, hq, hkv, dk, dv in REAL_CONFIGS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Post hoc on a dense-trained model: how much attention mass do the selected blocks keep?
+
+
+def _block_mass(probs: torch.Tensor, block: int) -> torch.Tensor:
+    """probs (B, H, T, S) -> (B, H, T, Nb): the probability each query puts on each block of keys."""
+    B, H, T, S = probs.shape
+    Nb = triton.cdiv(S, block)
+    padded = torch.nn.functional.pad(probs, (0, Nb * block - S))
+    return padded.view(B, H, T, Nb, block).sum(-1)
+
+
+def _kept(block_mass: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """block_mass (B, Hq, T, Nb), idx (B, H, T, n) with H = Hq or a divisor (groups) -> (B, Hq, T) mass kept."""
+    Hq = block_mass.shape[1]
+    idx = idx.repeat_interleave(Hq // idx.shape[1], dim=1).long()
+    got = block_mass.gather(-1, idx.clamp(min=0)) * (idx >= 0)
+    return got.sum(-1)
+
+
+@torch.no_grad()
+def attention_mass_kept(model, tokens: torch.Tensor, cfg: NSAConfig, first_row: int) -> dict[str, list[float]]:
+    """Per layer of a model trained with dense causal attention (``kernels.model.gpt``), the mean share
+    of each query's attention probability that falls in the keys a selection keeps, over query rows
+    t >= ``first_row`` and all query heads. Selections, all with n = cfg.n_selected blocks of
+    cfg.sel_block keys and the forced initial and local blocks:
+
+    * ``nsa``: NSA's rule, importance from compressed attention over mean-pooled keys and values,
+      summed over each GQA group (applied post hoc: the model was not trained with it);
+    * ``oracle_shared``: the top blocks by the true attention mass summed over the group (the best any
+      group-shared selection can do);
+    * ``oracle_per_head``: the top blocks by each head's own true mass (per-head selection's best);
+    * ``recent``: the initial block and the n - 1 most recent blocks (a sliding window of blocks).
+
+    Also ``union_blocks``: the mean number of distinct blocks the G heads of a group choose with
+    per-head selection (``oracle_per_head``), which a group-shared kernel would have to load to serve them.
+    """
+    mcfg = model.config
+    captured = []
+    hooks = [blk.attn.register_forward_pre_hook(lambda mod, args: captured.append((mod, args[0], args[1])))
+             for blk in model.blocks]
+    try:
+        model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    from kernels.model.gpt import rope
+
+    out = {"nsa": [], "oracle_shared": [], "oracle_per_head": [], "recent": [], "union_blocks": []}
+    B, T = tokens.shape
+    Hq, Hkv, D = mcfg.n_head, mcfg.n_kv_head, mcfg.head_dim
+    G = Hq // Hkv
+    for attn, x, pos in captured:
+        q = rope(attn.wq(x).view(B, T, Hq, D).transpose(1, 2), pos, mcfg.rope_theta).double()
+        k = rope(attn.wk(x).view(B, T, Hkv, D).transpose(1, 2), pos, mcfg.rope_theta).double()
+        v = attn.wv(x).view(B, T, Hkv, D).transpose(1, 2).double()
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        _, probs = dense_masked_attention_ref(q, k, v, causal, return_probs=True)       # (B, Hq, T, T)
+        mass = _block_mass(probs, cfg.sel_block)                                         # (B, Hq, T, Nb)
+        _, p_cmp = compressed_attention_ref(q, k, v, cfg)
+        sel = {
+            "nsa": select_blocks_ref(selection_importance_ref(p_cmp, Hkv, cfg), cfg),
+            "oracle_shared": select_blocks_ref(mass.view(B, Hkv, G, T, -1).sum(2), cfg),
+            "oracle_per_head": select_blocks_ref(mass, cfg),
+            "recent": select_blocks_ref(torch.arange(mass.shape[-1], dtype=torch.float64).expand(B, Hkv, T, -1), cfg),
+        }
+        for name, idx in sel.items():
+            out[name].append(float(_kept(mass, idx)[:, :, first_row:].mean()))
+        per_head = sel["oracle_per_head"][:, :, first_row:].long()                      # (B, Hq, rows, n)
+        Nb = mass.shape[-1]
+        hit = torch.zeros(B, Hkv, per_head.shape[2], Nb + 1, dtype=torch.bool)
+        grouped = per_head.view(B, Hkv, G, -1, per_head.shape[-1]).permute(0, 1, 3, 2, 4).flatten(3)
+        hit.scatter_(-1, torch.where(grouped < 0, Nb, grouped), True)
+        out["union_blocks"].append(float(hit[..., :Nb].sum(-1).double().mean()))
+    return out
