@@ -288,3 +288,18 @@ def test_compile_jobs_are_the_launch():
     c = job.constexprs
     assert (c["BLOCK_H"], c["BLOCK_S"], c["BLOCK_DK"], c["BLOCK_DV"], c["BROKEN"]) == (16, 64, 256, 128, 0)
     assert job.grid == (65536, 4) and job.num_warps == 4 and job.num_stages == nsa.GPU_STAGES
+
+
+def test_attention_mass_kept_orders_and_bounds():
+    """Oracles bound the rule by construction; with every block selectable all selections keep everything;
+    a key block that every query attends to is found by the compressed-attention rule."""
+    cfg = nsa.NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=4, n_initial=1, n_local=2, window=16)
+    q, k, v = _qkv(2, 4, 2, 64, 64, 16, 16, torch.float64, seed=5)
+    r = nsa.attention_mass_kept(q, k, v, cfg, first_row=40)
+    assert r["oracle_per_head"] >= r["oracle_shared"] >= r["nsa"] - 1e-12 and r["oracle_shared"] >= r["recent"] - 1e-12
+    assert 4 <= r["union_blocks"] <= 5 + 1e-12                 # 3 forced blocks + one free choice per head
+    every = nsa.NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=8, window=16)
+    assert all(abs(x - 1) < 1e-12 for name, x in nsa.attention_mass_kept(q, k, v, every, 40).items() if name != "union_blocks")
+    k[:, :, 24:32] = 4 * q[:, ::2, 60:61].mean(2, keepdim=True)   # block 3 holds keys aligned with the late queries
+    r = nsa.attention_mass_kept(q, k, v, cfg, first_row=56)
+    assert r["nsa"] > r["recent"] + 0.1

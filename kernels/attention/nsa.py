@@ -486,11 +486,13 @@ def _kept(block_mass: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attention_mass_kept(model, tokens: torch.Tensor, cfg: NSAConfig, first_row: int) -> dict[str, list[float]]:
-    """Per layer of a model trained with dense causal attention (``kernels.model.gpt``), the mean share
-    of each query's attention probability that falls in the keys a selection keeps, over query rows
-    t >= ``first_row`` and all query heads. Selections, all with n = cfg.n_selected blocks of
-    cfg.sel_block keys and the forced initial and local blocks:
+def attention_mass_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: NSAConfig,
+                        first_row: int) -> dict[str, float]:
+    """For one layer of a model trained with dense causal attention, q (B, Hq, T, D), k and v
+    (B, Hkv, T, D) (rotated as the model uses them): the mean share of each query's dense attention
+    probability that falls in the keys a selection keeps, over query rows t >= ``first_row`` and all
+    query heads. Selections, all with n = cfg.n_selected blocks of cfg.sel_block keys and the forced
+    initial and local blocks:
 
     * ``nsa``: NSA's rule, importance from compressed attention over mean-pooled keys and values,
       summed over each GQA group (applied post hoc: the model was not trained with it);
@@ -502,41 +504,26 @@ def attention_mass_kept(model, tokens: torch.Tensor, cfg: NSAConfig, first_row: 
     Also ``union_blocks``: the mean number of distinct blocks the G heads of a group choose with
     per-head selection (``oracle_per_head``), which a group-shared kernel would have to load to serve them.
     """
-    mcfg = model.config
-    captured = []
-    hooks = [blk.attn.register_forward_pre_hook(lambda mod, args: captured.append((mod, args[0], args[1])))
-             for blk in model.blocks]
-    try:
-        model(tokens)
-    finally:
-        for h in hooks:
-            h.remove()
-    from kernels.model.gpt import rope
-
-    out = {"nsa": [], "oracle_shared": [], "oracle_per_head": [], "recent": [], "union_blocks": []}
-    B, T = tokens.shape
-    Hq, Hkv, D = mcfg.n_head, mcfg.n_kv_head, mcfg.head_dim
+    q, k, v = q.double(), k.double(), v.double()
+    B, Hq, T, _ = q.shape
+    Hkv = k.shape[1]
     G = Hq // Hkv
-    for attn, x, pos in captured:
-        q = rope(attn.wq(x).view(B, T, Hq, D).transpose(1, 2), pos, mcfg.rope_theta).double()
-        k = rope(attn.wk(x).view(B, T, Hkv, D).transpose(1, 2), pos, mcfg.rope_theta).double()
-        v = attn.wv(x).view(B, T, Hkv, D).transpose(1, 2).double()
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        _, probs = dense_masked_attention_ref(q, k, v, causal, return_probs=True)       # (B, Hq, T, T)
-        mass = _block_mass(probs, cfg.sel_block)                                         # (B, Hq, T, Nb)
-        _, p_cmp = compressed_attention_ref(q, k, v, cfg)
-        sel = {
-            "nsa": select_blocks_ref(selection_importance_ref(p_cmp, Hkv, cfg), cfg),
-            "oracle_shared": select_blocks_ref(mass.view(B, Hkv, G, T, -1).sum(2), cfg),
-            "oracle_per_head": select_blocks_ref(mass, cfg),
-            "recent": select_blocks_ref(torch.arange(mass.shape[-1], dtype=torch.float64).expand(B, Hkv, T, -1), cfg),
-        }
-        for name, idx in sel.items():
-            out[name].append(float(_kept(mass, idx)[:, :, first_row:].mean()))
-        per_head = sel["oracle_per_head"][:, :, first_row:].long()                      # (B, Hq, rows, n)
-        Nb = mass.shape[-1]
-        hit = torch.zeros(B, Hkv, per_head.shape[2], Nb + 1, dtype=torch.bool)
-        grouped = per_head.view(B, Hkv, G, -1, per_head.shape[-1]).permute(0, 1, 3, 2, 4).flatten(3)
-        hit.scatter_(-1, torch.where(grouped < 0, Nb, grouped), True)
-        out["union_blocks"].append(float(hit[..., :Nb].sum(-1).double().mean()))
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    _, probs = dense_masked_attention_ref(q, k, v, causal, return_probs=True)           # (B, Hq, T, T)
+    mass = _block_mass(probs, cfg.sel_block)                                             # (B, Hq, T, Nb)
+    Nb = mass.shape[-1]
+    _, p_cmp = compressed_attention_ref(q, k, v, cfg)
+    sel = {
+        "nsa": select_blocks_ref(selection_importance_ref(p_cmp, Hkv, cfg), cfg),
+        "oracle_shared": select_blocks_ref(mass.view(B, Hkv, G, T, Nb).sum(2), cfg),
+        "oracle_per_head": select_blocks_ref(mass, cfg),
+        "recent": select_blocks_ref(torch.arange(Nb, dtype=torch.float64, device=q.device).expand(B, Hkv, T, Nb), cfg),
+    }
+    out = {name: float(_kept(mass, idx)[:, :, first_row:].mean()) for name, idx in sel.items()}
+    per_head = sel["oracle_per_head"][:, :, first_row:].long()                          # (B, Hq, rows, n)
+    rows = per_head.shape[2]
+    grouped = per_head.view(B, Hkv, G, rows, -1).permute(0, 1, 3, 2, 4).flatten(3)     # (B, Hkv, rows, G n)
+    hit = torch.zeros(B, Hkv, rows, Nb + 1, dtype=torch.bool, device=q.device)
+    hit.scatter_(-1, torch.where(grouped < 0, Nb, grouped), True)
+    out["union_blocks"] = float(hit[..., :Nb].sum(-1).double().mean())
     return out
