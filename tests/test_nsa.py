@@ -156,7 +156,7 @@ def test_branches_reduce_to_full_attention_when_nothing_is_dropped():
 
 
 def test_paper_decode_tokens_table4():
-    """The paper's Table 4: tokens loaded per decode step, 2048 / 2560 / 3584 / 5632 at 8k .. 64k,
+    """The paper's decoding table: tokens loaded per decode step, 2048 / 2560 / 3584 / 5632 at 8k .. 64k,
     against 8192 .. 65536 for full attention (expected speed-ups 4x .. 11.6x)."""
     got = [nsa.paper_decode_tokens(s) for s in (8192, 16384, 32768, 65536)]
     assert got == [2048, 2560, 3584, 5632]
@@ -303,3 +303,16 @@ def test_attention_mass_kept_orders_and_bounds():
     k[:, :, 24:32] = 4 * q[:, ::2, 60:61].mean(2, keepdim=True)   # block 3 holds keys aligned with the late queries
     r = nsa.attention_mass_kept(q, k, v, cfg, first_row=56)
     assert r["nsa"] > r["recent"] + 0.1
+
+
+def test_ptx_uses_64bit_products_for_batch_head_row_and_block_offsets(aot_builds):
+    """At 64k tokens x 64 heads x 192 (B = 1) q already has 2**29.6 elements; a batch of 4 passes 2**31.
+    b * stride_b, the K/V head, the query row and the block's first key times stride_n are 64-bit
+    products; the head offsets inside the group tile stay 32-bit (stride_qh enters both)."""
+    label = "NSA-27B (64 q heads, 4 groups, dk 192, dv 128), 64k prefill, selected branch"
+    job, build = AOT_CASES[label], aot_builds[label]
+    runtime_args = [n for n, kind in job.signature.items() if kind != "constexpr"]
+    widths = lambda arg: ki.param_product_widths(build, runtime_args.index(arg))   # noqa: E731
+    for arg in ("stride_qb", "stride_kb", "stride_kh", "stride_kn", "stride_vn", "stride_qm", "stride_ob"):
+        assert widths(arg) == {64}, arg
+    assert widths("stride_qh") == {32, 64}

@@ -10,9 +10,9 @@ For the query q_t of head h at position t (with GQA: K/V head hk = h // G, G que
   (or uniform) weighted sum over the l positions (:func:`compress_ref`), a linear simplification.
 * **selected** (slc): the keys are cut into selection blocks of l' tokens. The compressed branch's
   probabilities p_cmp[t, i] give each selection block an importance (the sum of the p_cmp of the
-  compressed blocks that overlap it, weighted by the overlap in units of d: the paper's eq. 9 when
-  d divides l and l'), summed over the G query heads of a group so that **every head of the group
-  shares the same blocks** (eq. 10), and the top n causal blocks are kept, the initial block and the
+  compressed blocks that overlap it, weighted by the overlap in units of d: the paper's double sum
+  when d divides l and l'), summed over the G query heads of a group so that **every head of the group
+  shares the same blocks**, and the top n causal blocks are kept, the initial block and the
   2 local blocks always among them. The branch is attention over the tokens of those blocks, causal
   inside the block that holds t.
 * **sliding window** (win): the last w keys, t - w < s <= t.
@@ -50,7 +50,7 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class NSAConfig:
-    """NSA's block sizes; the defaults are the paper's (Section 4.1): l = 32, d = 16, l' = 64, n = 16
+    """NSA's block sizes; the defaults are the paper's (its pretraining setup): l = 32, d = 16, l' = 64, n = 16
     (the 1 initial and 2 local blocks included), w = 512."""
 
     cmp_block: int = 32        # l: tokens pooled into one compressed key
@@ -139,7 +139,7 @@ def compressed_attention_ref(q, k, v, cfg: NSAConfig = PAPER, weight_k=None, wei
 def overlap_weights(n: int, cfg: NSAConfig = PAPER, device=None) -> torch.Tensor:
     """(M, Nb): overlap of compressed block i ([i d, i d + l)) with selection block j ([j l', (j+1) l'))
     in units of d. At the paper's sizes each selection block gets weights 1, 2, 2, 2, 1 from the
-    compressed blocks 4j - 1 .. 4j + 3: the double sum of the paper's eq. 9."""
+    compressed blocks 4j - 1 .. 4j + 3: the paper's double sum over l'/d and l/d shifts."""
     M, Nb = n_compressed(n, cfg), triton.cdiv(n, cfg.sel_block)
     start = torch.arange(M, device=device)[:, None] * cfg.cmp_stride
     sel = torch.arange(Nb, device=device)[None, :] * cfg.sel_block
@@ -149,7 +149,7 @@ def overlap_weights(n: int, cfg: NSAConfig = PAPER, device=None) -> torch.Tensor
 
 
 def selection_importance_ref(p_cmp: torch.Tensor, n_kv_head: int, cfg: NSAConfig = PAPER) -> torch.Tensor:
-    """p_cmp (B, Hq, N, M) -> (B, Hkv, N, Nb): p_slc = p_cmp W (eq. 9), summed over each group's heads (eq. 10)."""
+    """p_cmp (B, Hq, N, M) -> (B, Hkv, N, Nb): p_slc = p_cmp W, summed over each group's heads."""
     B, Hq, N, M = p_cmp.shape
     if Hq % n_kv_head:
         raise ValueError(f"selection_importance_ref: Hq={Hq} must be a multiple of n_kv_head={n_kv_head}")
@@ -238,7 +238,7 @@ def keys_per_query(t: int, cfg: NSAConfig = PAPER) -> dict[str, int]:
 
 
 def paper_decode_tokens(s: int, cfg: NSAConfig = PAPER) -> int:
-    """The paper's count of tokens a decode step loads at context s (its Table 4): s / d compressed
+    """The paper's count of tokens a decode step loads at context s (its table of decoding memory access): s / d compressed
     tokens + n l' selected + w window."""
     return s // cfg.cmp_stride + cfg.n_selected * cfg.sel_block + cfg.window
 
@@ -437,7 +437,7 @@ def nsa_selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
 # ----------------------------------------------------------------------------------------------
 # Compile jobs at the paper's model size
 
-# (label, query heads, K/V heads, DK, DV): the paper's 27B MoE backbone (Section 4.1): 64 heads in 4
+# (label, query heads, K/V heads, DK, DV): the paper's 27B MoE backbone (its pretraining setup): 64 heads in 4
 # GQA groups (16 query heads per group), query/key dim 192, value dim 128. And a D = 128 variant.
 REAL_CONFIGS = (
     ("NSA-27B (64 q heads, 4 groups, dk 192, dv 128)", 64, 4, 192, 128),
