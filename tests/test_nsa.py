@@ -172,20 +172,21 @@ def test_paper_decode_tokens_table4():
 # ----------------------------------------------------------------------------------------------
 # The kernel
 
+F32, F16 = torch.float32, torch.float16
 KERNEL_CASES = [
-    # B, Hq, Hkv, Nq, Nk, DK, DV, block, n
-    (1, 6, 2, 37, 37, 24, 20, 16, 3),      # group 3, DK != DV, last block partial
-    (1, 5, 1, 45, 45, 40, 72, 16, 4),      # MQA, group 5 (padded to 16 rows)
-    (2, 8, 2, 3, 70, 32, 32, 32, 2),       # the last 3 positions only (decode-like), batch 2
-    (1, 16, 1, 20, 20, 16, 16, 16, 2),     # the paper's group of 16 heads
+    # B, Hq, Hkv, Nq, Nk, DK, DV, block, n, dtype
+    (1, 6, 2, 37, 37, 24, 20, 16, 3, F32),      # group 3, DK != DV, last block partial
+    (1, 6, 2, 37, 37, 24, 20, 16, 3, F16),
+    (1, 5, 1, 45, 45, 40, 72, 16, 4, F32),      # MQA, group 5 (padded to 16 rows)
+    (2, 8, 2, 3, 70, 32, 32, 32, 2, F32),       # the last 3 positions only (decode-like), batch 2
+    (2, 8, 2, 3, 70, 32, 32, 32, 2, F16),
+    (1, 16, 1, 20, 20, 16, 16, 16, 2, F32),     # the paper's group of 16 heads
+    (1, 16, 1, 20, 20, 16, 16, 16, 2, F16),
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,DK,DV,block,n", KERNEL_CASES)
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,DK,DV,block,n,dtype", KERNEL_CASES)
 def test_kernel_matches_dense_masked_reference(B, Hq, Hkv, Nq, Nk, DK, DV, block, n, dtype):
-    if dtype == torch.float16 and Nq > 40:
-        pytest.skip("one dtype at the larger shapes keeps the interpreter's time down")
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, DK, DV, dtype)
     got = _check(q, k, v, _random_idx(B, Hkv, Nq, Nk, block, n), block)
     assert not torch.isnan(got).any()
