@@ -31,6 +31,19 @@ between the top two logits over the reference run is reported beside the largest
 A sampled request's tokens depend only on its seed (kernels.serving.sampling: counter-based
 uniforms keyed by seed, choice and position), so the same request gives the same answer alone or
 in any batch, as long as the logits keep their order at the drawn token's margin.
+
+Speculative decoding (``EngineConfig.speculative``, a drafter from kernels.speculative.serving, and
+``num_draft`` = gamma). Before scheduling, every decoding sequence gets a draft of up to gamma
+tokens (``_propose``); the scheduler appends what the token budget allows to its one-token run and
+reserves the slots (``Work.draft``); the forward returns draft + 1 logits rows for that run; the
+drafter's ``verify`` keeps n drafts and one more token (``_verify``), and ``Scheduler.rollback``
+forgets the rejected positions and frees the pages past the kept ones. The randomness of a
+speculative step (draft draws, acceptance uniforms, the residual draw) comes from :func:`spec_key`,
+keyed like the sampler's by seed, choice and token index. Greedy answers equal plain decoding token
+for token under the same near-tie caveat: a run of gamma + 1 tokens attends like a prefill chunk,
+its logits agreeing with a decode's to about 1e-5. The drafter is an object the engine is given
+(it never imports kernels.speculative, which imports this package's sampler: no package cycle); the
+prefix cache, n > 1 choices and log-probs are refused with it.
 """
 from __future__ import annotations
 

@@ -117,8 +117,11 @@ class DraftModel(Drafter):
         x, draft, qs = torch.tensor([tokens]), [], []
         for j in range(num_draft):
             logits = self.model(x, cache=cache)[0, -1:].float()                          # (1, V)
-            d = int(sample_ref(logits, t, k, tp, mp, torch.tensor([keys[j]], dtype=torch.int64))[0][0, 0])
-            qs.append(processed_probs_ref(logits, [params])[0])                          # (V,) what d was drawn from
+            if params.greedy:                                                            # q one-hot at the argmax
+                d = int(logits[0].argmax())
+            else:
+                d = int(sample_ref(logits, t, k, tp, mp, torch.tensor([keys[j]], dtype=torch.int64))[0][0, 0])
+                qs.append(processed_probs_ref(logits, [params])[0])                      # (V,) what d was drawn from
             draft.append(d)
             x = torch.tensor([[d]])
-        return draft, (torch.stack(qs) if params.temperature > 0 else None)
+        return draft, (torch.stack(qs) if qs else None)
