@@ -61,8 +61,10 @@ def _pages_back(eng):
 
 
 @pytest.mark.parametrize("kind", ["prompt lookup", "draft model"])
-@pytest.mark.parametrize("config", [dict(), dict(max_tokens=3, page_size=4, stagger=2), dict(num_draft=7, chunk=5)],
-                         ids=["batch", "tight budget, small pages, staggered", "gamma 7, chunked prefill"])
+@pytest.mark.parametrize("config", [dict(), dict(max_tokens=3, page_size=4, stagger=2), dict(num_draft=7, chunk=5),
+                                    dict(num_pages=14, page_size=8)],
+                         ids=["batch", "tight budget, small pages, staggered", "gamma 7, chunked prefill",
+                              "few pages: preemption"])
 def test_greedy_equals_plain_decoding(model, draft, reference, kind, config):
     config = dict(config)
     stagger = config.pop("stagger", 0)
@@ -79,7 +81,8 @@ def test_greedy_equals_plain_decoding(model, draft, reference, kind, config):
     st = eng.spec_stats
     assert st.runs > 0 and 0 < st.accepted < st.drafted and st.emitted == st.runs + st.accepted
     runs = [sum(sampled for step in eng.history for i, _, _, sampled in step if i == s.id) for s in seqs]
-    assert max(runs) <= NEW and min(runs) < NEW                     # target forwards per sequence: NEW when plain
+    assert min(runs) < NEW                                          # target forwards per sequence: NEW when plain
+    assert (eng.scheduler.preemptions > 0) == ("num_pages" in config), eng.scheduler.preemptions
     _pages_back(eng)
 
 

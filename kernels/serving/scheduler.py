@@ -43,8 +43,12 @@ decoding sequence a ``draft`` of proposed tokens; the scheduler then appends as 
 token budget allows to the sequence's one-token run and reserves their KV slots like a prefill
 chunk's (``Work.draft`` counts them, and the forward returns ``draft + 1`` logits rows for the run).
 After verification the engine calls :meth:`Scheduler.rollback`: the rejected drafts' positions are
-forgotten (``num_computed`` goes back) and the pages past the kept positions are released. ``policy="static"`` is the baseline that
-admits a new batch only when the previous one has finished entirely.
+forgotten (``num_computed`` goes back) and the pages past the kept positions are released. Drafts
+are scheduled after every running sequence's own run, from the budget and pages left: they never
+cause a preemption.
+
+``policy="static"`` is the baseline that admits a new batch only when the previous one has finished
+entirely.
 """
 from __future__ import annotations
 
@@ -203,10 +207,7 @@ class Scheduler:
             n = self._chunk(len(seq.tokens) - seq.num_computed, budget)
             if n == 0:
                 continue
-            extra = min(len(seq.draft), budget - n) if n == 1 == len(seq.tokens) - seq.num_computed else 0
-            if extra and not self._grow(seq, seq.num_computed + n + extra):
-                extra = 0                                    # drafts never preempt anyone: verify none
-            while not self._grow(seq, seq.num_computed + n + extra):
+            while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]                    # the newest running sequence
                 self._preempt(victim)
                 budget += sum(k for s, k in plan if s is victim)     # its tokens leave this step
@@ -214,9 +215,14 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                plan.append((seq, n + extra))
+                plan.append((seq, n))
+                budget -= n
+        for i, (seq, n) in enumerate(plan):                  # 1b. drafts, from what is left: no preemption
+            extra = min(len(seq.draft), budget) if n == 1 == len(seq.tokens) - seq.num_computed else 0
+            if extra and self._grow(seq, seq.num_computed + n + extra):
+                plan[i] = (seq, n + extra)
                 drafted[seq.id] = extra
-                budget -= n + extra
+                budget -= extra
         admit = self.policy == "continuous" or not self.running
         while admit and self.waiting and budget > 0:         # 2. waiting, in arrival order
             seq = self.waiting[0]
