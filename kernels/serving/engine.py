@@ -31,6 +31,19 @@ between the top two logits over the reference run is reported beside the largest
 A sampled request's tokens depend only on its seed (kernels.serving.sampling: counter-based
 uniforms keyed by seed, choice and position), so the same request gives the same answer alone or
 in any batch, as long as the logits keep their order at the drawn token's margin.
+
+Speculative decoding (``EngineConfig.speculative``, a drafter from kernels.speculative.serving, and
+``num_draft`` = gamma). Before scheduling, every decoding sequence gets a draft of up to gamma
+tokens (``_propose``); the scheduler appends what the token budget allows to its one-token run and
+reserves the slots (``Work.draft``); the forward returns draft + 1 logits rows for that run; the
+drafter's ``verify`` keeps n drafts and one more token (``_verify``), and ``Scheduler.rollback``
+forgets the rejected positions and frees the pages past the kept ones. The randomness of a
+speculative step (draft draws, acceptance uniforms, the residual draw) comes from :func:`spec_key`,
+keyed like the sampler's by seed, choice and token index. Greedy answers equal plain decoding token
+for token under the same near-tie caveat: a run of gamma + 1 tokens attends like a prefill chunk,
+its logits agreeing with a decode's to about 1e-5. The drafter is an object the engine is given
+(it never imports kernels.speculative, which imports this package's sampler: no package cycle); the
+prefix cache, n > 1 choices and log-probs are refused with it.
 """
 from __future__ import annotations
 
@@ -46,7 +59,7 @@ from kernels.model.gpt import GPT, KVCache, add_rms_norm_torch, rms_norm_torch, 
 from kernels.serving.allocator import BlockAllocator
 from kernels.serving.kv_cache import PagedKVCache
 from kernels.serving.radix_cache import RadixCache
-from kernels.serving.sampling import Sampler, SampleRow, SamplingParams
+from kernels.serving.sampling import Sampler, SampleRow, SamplingParams, row_key, uniform_ref
 from kernels.serving.scheduler import Scheduler, Sequence, Work
 
 
@@ -105,7 +118,8 @@ class PagedRunner:
 
     @torch.no_grad()
     def forward(self, works: list[Work]) -> torch.Tensor:
-        """One step over the packed runs; returns the logits (R, V) of the runs with ``sample`` set, in order."""
+        """One step over the packed runs; returns the logits (R, V) of the runs with ``sample`` set, in order:
+        one row per run (its last position), or ``draft + 1`` rows for a run that ends on drafts."""
         cfg, m = self.cfg, self.model
         Hq, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         ids = torch.tensor([t for w in works for t in w.tokens])                         # (N,)
@@ -129,7 +143,7 @@ class PagedRunner:
             a = self._attend(layer, q, works, spans)
             h, hn = add_rms_norm_torch(x, blk.attn.wo(a.reshape(-1, Hq * D)), blk.norm2.weight, cfg.norm_eps)
             x = h + blk.mlp(hn)
-        last = [spans[i][1] - 1 for i, w in enumerate(works) if w.sample]
+        last = [j for i, w in enumerate(works) if w.sample for j in range(spans[i][1] - 1 - w.draft, spans[i][1])]
         return rms_norm_torch(x[last], m.norm_f.weight, cfg.norm_eps) @ m.wte.weight.T    # (R, V)
 
 
@@ -157,6 +171,29 @@ class EngineConfig:
     seed: int = 0                  # draws the seeds of requests that bring none
     kv_cache: Callable | None = None   # builds the KV cache; None: float pages (PagedKVCache); quantized:
                                        # kernels.kvcache.quantization.engine_cache("int8"), "fp8", ...
+    speculative: object | None = None  # a drafter with propose() and verify(), e.g.
+                                       # kernels.speculative.serving.PromptLookup() or DraftModel(draft)
+    num_draft: int = 4                 # gamma: tokens proposed per sequence per step (with speculative)
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding's counts: verified runs, tokens proposed, accepted, emitted."""
+    runs: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+
+_M63 = (1 << 63) - 1
+DRAFT, ACCEPT, RESIDUAL = 1, 2, 3            # the three streams of a speculative step's randomness
+
+
+def spec_key(seed: int, choice: int, step: int, stream: int) -> int:
+    """The Philox key of one speculative draw: like :func:`kernels.serving.sampling.row_key` (seed, choice,
+    token index in the answer), on a seed moved by ``stream`` (DRAFT, ACCEPT, RESIDUAL) so that the
+    three never share uniforms with each other or with the plain sampler."""
+    return row_key((seed + stream * 0x632BE59BD9B4E019) & _M63, choice, step)
 
 
 @dataclass
@@ -184,6 +221,18 @@ class Engine:
         self.runner = PagedRunner(model, config.num_pages, config.page_size, use_kernels=config.use_kernels,
                                   kv_cache=config.kv_cache)
         self.sampler = Sampler(use_kernels=config.use_kernels)
+        self.spec = config.speculative
+        if self.spec is not None:
+            if not all(callable(getattr(self.spec, f, None)) for f in ("propose", "verify")):
+                raise TypeError(f"EngineConfig.speculative must be None or a drafter with propose() and verify() "
+                                f"(kernels.speculative.serving.PromptLookup, DraftModel), got {self.spec!r}")
+            if not isinstance(config.num_draft, int) or isinstance(config.num_draft, bool) or config.num_draft < 1:
+                raise ValueError(f"EngineConfig.num_draft must be an int >= 1, got {config.num_draft!r}")
+            if config.prefix_cache:
+                raise ValueError("EngineConfig.speculative does not support prefix_cache=True (rolled-back "
+                                 "pages could be shared with the radix cache)")
+        self.spec_stats = SpecStats()
+        self._q: dict[int, torch.Tensor | None] = {}                # per sequence id: its draft's q (k, V)
         self.times = StepTimes()
         self.history: list[list[tuple[int, int, int, bool]]] = []  # per step: (seq id, start, n tokens, sampled)
         self.record_history = record_history                       # off in a long-running server
@@ -211,6 +260,10 @@ class Engine:
             raise ValueError("token ids must lie in [0, vocab_size)")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if self.spec is not None and params.n > 1:
+            raise ValueError(f"n={params.n} choices are not served with speculative decoding (EngineConfig.speculative)")
+        if self.spec is not None and params.logprobs is not None:
+            raise ValueError("logprobs are not served with speculative decoding (EngineConfig.speculative)")
 
     def add(self, prompt: list[int], max_new_tokens: int | None = None, *, params: SamplingParams | None = None) -> Sequence:
         """Queue a request; ``max_new_tokens`` (if given) overrides ``params.max_tokens``. Returns its
@@ -241,6 +294,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One iteration; returns the tokens it produced (one per sampled choice)."""
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self._propose()
         works = self.scheduler.schedule()
         t1 = time.perf_counter()
         if not works:
@@ -253,8 +308,16 @@ class Engine:
         t2 = time.perf_counter()
         for w in works:
             self.scheduler.computed(w)
-        seqs, rows = self._rows([w.seq for w in works if w.sample])
-        out = self._commit(seqs, logits[rows])
+        sampled = [w for w in works if w.sample]
+        first = [0]                                                  # each sampled run's first logits row
+        for w in sampled:
+            first.append(first[-1] + 1 + w.draft)
+        plain = [i for i, w in enumerate(sampled) if not w.draft]
+        seqs, rows = self._rows([sampled[i].seq for i in plain])
+        out = self._commit(seqs, logits[[first[plain[r]] for r in rows]])
+        spec = [i for i, w in enumerate(sampled) if w.draft]
+        if spec:
+            out += self._verify([sampled[i] for i in spec], [logits[first[i]:first[i + 1]] for i in spec])
         t3 = time.perf_counter()
         self.times.schedule += t1 - t0
         self.times.forward += t2 - t1
@@ -296,6 +359,64 @@ class Engine:
                 self.scheduler.finish(seq, "stop")
             elif len(seq.generated) >= seq.max_new_tokens:
                 self.scheduler.finish(seq, "length")
+        return out
+
+    # ---------------------------------------------------------------- speculative decoding
+
+    def _propose(self) -> None:
+        """Give every decoding sequence (one token not yet computed) a draft of up to ``num_draft`` tokens,
+        never past its max_tokens: the drafter sees the tokens so far, the request's parameters and the
+        keys of the draws it may make (one per drafted position)."""
+        self._q = {}
+        for seq in self.scheduler.running:
+            seq.draft = []
+            left = seq.max_new_tokens - len(seq.generated)
+            if seq.num_computed != len(seq.tokens) - 1 or left < 2:
+                continue
+            k = min(self.config.num_draft, left - 1)
+            t = len(seq.generated)
+            keys = [spec_key(seq.seed, seq.choice, t + j, DRAFT) for j in range(k)]
+            draft, q = self.spec.propose(list(seq.tokens), k, seq.params, keys)
+            if len(draft) > k or (q is not None and tuple(q.shape) != (len(draft), self.model.config.vocab_size)):
+                raise ValueError(f"EngineConfig.speculative: propose() returned {len(draft)} tokens and q of shape "
+                                 f"{None if q is None else tuple(q.shape)} for a draft of at most {k}")
+            seq.draft, self._q[seq.id] = [int(d) for d in draft], q
+
+    def _verify(self, works: list[Work], blocks: list[torch.Tensor]) -> list[StepOutput]:
+        """Verify each run's drafts against its draft + 1 logits rows (grouped by draft length, one
+        verify() call per group), keep the accepted drafts and one more token, roll the rest back."""
+        out = []
+        for k in sorted({w.draft for w in works}):
+            group = [(w, b) for w, b in zip(works, blocks) if w.draft == k]
+            seqs = [w.seq for w, _ in group]
+            steps = [len(s.generated) for s in seqs]
+            logits = torch.stack([b for _, b in group])                                 # (B, k+1, V)
+            drafts = torch.tensor([s.draft[:k] for s in seqs], dtype=torch.int64)       # (B, k)
+            qs = [None if self._q.get(s.id) is None else self._q[s.id][:k] for s in seqs]
+            u = uniform_ref(torch.tensor([spec_key(s.seed, s.choice, t, ACCEPT) for s, t in zip(seqs, steps)],
+                                         dtype=torch.int64), k)                         # (B, k) in (0, 1)
+            keys = torch.tensor([spec_key(s.seed, s.choice, t, RESIDUAL) for s, t in zip(seqs, steps)],
+                                dtype=torch.int64)
+            n, tokens = self.spec.verify(logits, [s.params for s in seqs], drafts, qs, u, keys,
+                                         use_kernels=self.config.use_kernels)
+            for b, (w, _) in enumerate(group):
+                seq, nb = w.seq, int(n[b])
+                self.scheduler.rollback(seq, w.start + 1 + nb)       # the last token and the nb accepted drafts
+                seq.draft = []
+                st = self.spec_stats
+                st.runs, st.drafted, st.accepted = st.runs + 1, st.drafted + k, st.accepted + nb
+                for j, token in enumerate(tokens[b, :nb + 1].tolist()):
+                    seq.tokens.append(token)
+                    st.emitted += 1
+                    if self.logits is not None:
+                        self.logits.setdefault(seq.id, []).append(logits[b, j])
+                    out.append(StepOutput(seq, token))
+                    if token in seq.params.stop_token_ids:
+                        self.scheduler.finish(seq, "stop")
+                        break
+                    if len(seq.generated) >= seq.max_new_tokens:
+                        self.scheduler.finish(seq, "length")
+                        break
         return out
 
     def run(self, max_steps: int = 100_000) -> None:

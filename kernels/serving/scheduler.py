@@ -36,8 +36,19 @@ in. A page the tree already holds under the same tokens replaces the sequence's 
 is freed.
 
 A run whose last token is the sequence's last known token is *sampled*: the forward returns that
-position's logits and the sequence grows by one token. ``policy="static"`` is the baseline that
-admits a new batch only when the previous one has finished entirely.
+position's logits and the sequence grows by one token.
+
+Speculative decoding (the engine's ``speculative`` option). Before a step the engine may give a
+decoding sequence a ``draft`` of proposed tokens; the scheduler then appends as many of them as the
+token budget allows to the sequence's one-token run and reserves their KV slots like a prefill
+chunk's (``Work.draft`` counts them, and the forward returns ``draft + 1`` logits rows for the run).
+After verification the engine calls :meth:`Scheduler.rollback`: the rejected drafts' positions are
+forgotten (``num_computed`` goes back) and the pages past the kept positions are released. Drafts
+are scheduled after every running sequence's own run, from the budget and pages left: they never
+cause a preemption.
+
+``policy="static"`` is the baseline that admits a new batch only when the previous one has finished
+entirely.
 """
 from __future__ import annotations
 
@@ -67,6 +78,7 @@ class Sequence:
     forks: int = 0                                       # choices still to fork at the first sample
     children: list["Sequence"] = field(default_factory=list)
     logprobs: list = field(default_factory=list)         # per generated token, when asked
+    draft: list[int] = field(default_factory=list)       # proposed tokens to verify next step (speculative)
 
     def __post_init__(self):
         if not self.tokens:
@@ -91,6 +103,8 @@ class Work:
     start: int
     tokens: list[int]
     sample: bool                                        # return logits of the last position
+    draft: int = 0                                      # the last ``draft`` tokens are proposals to verify:
+                                                        # logits of the last draft + 1 positions returned
 
 
 class Scheduler:
@@ -155,6 +169,7 @@ class Scheduler:
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed, seq.cached_tokens = 0, 0
+        seq.draft = []
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -185,6 +200,7 @@ class Scheduler:
         budget = self.max_tokens
         self.copies = []
         plan: list[tuple[Sequence, int]] = []
+        drafted: dict[int, int] = {}                         # seq id -> draft tokens in its run
         for seq in list(self.running):                       # 1. running, oldest first
             if seq not in self.running:                      # preempted below to make room
                 continue
@@ -201,6 +217,12 @@ class Scheduler:
             if seq in self.running:
                 plan.append((seq, n))
                 budget -= n
+        for i, (seq, n) in enumerate(plan):                  # 1b. drafts, from what is left: no preemption
+            extra = min(len(seq.draft), budget) if n == 1 == len(seq.tokens) - seq.num_computed else 0
+            if extra and self._grow(seq, seq.num_computed + n + extra):
+                plan[i] = (seq, n + extra)
+                drafted[seq.id] = extra
+                budget -= extra
         admit = self.policy == "continuous" or not self.running
         while admit and self.waiting and budget > 0:         # 2. waiting, in arrival order
             seq = self.waiting[0]
@@ -213,8 +235,12 @@ class Scheduler:
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
-        return [Work(s, s.num_computed, s.tokens[s.num_computed:s.num_computed + n],
-                     s.num_computed + n == len(s.tokens)) for s, n in plan]
+        works = []
+        for s, n in plan:
+            d = drafted.get(s.id, 0)
+            run = (s.tokens + s.draft[:d])[s.num_computed:s.num_computed + n]
+            works.append(Work(s, s.num_computed, run, s.num_computed + n - d == len(s.tokens), d))
+        return works
 
     def computed(self, work: Work) -> None:
         """The forward has written ``work``'s K, V: advance the sequence, and after a prefill run put
@@ -223,6 +249,18 @@ class Scheduler:
         seq.num_computed = work.start + len(work.tokens)
         if self.cache is not None and self.cache_after_prefill and len(work.tokens) > 1:
             self._cache_pages(seq)
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Speculative decoding: only the first ``num_computed`` positions of ``seq`` hold keys and values
+        of its tokens (the rejected drafts' slots are forgotten, to be overwritten); the pages past them
+        go back. Never used with the prefix cache or forks (the engine refuses them), so no page here
+        is shared."""
+        if not 0 <= num_computed <= seq.num_computed:
+            raise ValueError(f"rollback: num_computed must lie in [0, {seq.num_computed}], got {num_computed}")
+        seq.num_computed = num_computed
+        keep = self.allocator.pages_for(num_computed)
+        self.allocator.decref(seq.table[keep:])
+        del seq.table[keep:]
 
     def _cache_pages(self, seq: Sequence) -> None:
         """Insert the whole computed pages of ``seq``; where the tree already had pages for the same
