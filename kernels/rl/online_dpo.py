@@ -1,0 +1,319 @@
+"""Online DPO and RLAIF: the pair is sampled from the current policy and labelled by a judge at every step.
+
+Offline DPO (kernels.rl.preference) trains on pairs sampled once from the SFT model. Online DPO
+(Guo et al. 2024) samples two answers y_a, y_b from the *current* policy for each prompt, asks a judge
+for a score of each (s_a, s_b), and takes the DPO loss on the pair the judge orders:
+
+    z = sign(s_a - s_b)                                   +1: a preferred, -1: b preferred, 0: tie
+    h = beta * z * ((log pi(y_a) - log pi_ref(y_a)) - (log pi(y_b) - log pi_ref(y_b)))
+    loss = sum_{z != 0} -log sigma(h) / #{z != 0}         a tie gives no pair: it is masked, not averaged in
+
+Two judges here. ``verifier``: the exact reward of kernels.rl.task (1 if right, else 0), so two right or
+two wrong answers tie. ``self``: an AI judge made of the tiny GPT itself, the frozen SFT model scoring each
+answer by its mean per-token log-likelihood (RLAIF with the model as its own annotator, Lee et al. 2023);
+it never ties unless the two answers are the same, and it is wrong wherever the model is confidently wrong.
+
+The fused kernel turns the four summed log-probs and two judge scores of each pair into its label, its loss
+and its gradients in one pass. Broken variants for the tests: MASK_TIES=False counts a tie as "a preferred",
+SWAP=True trains towards the rejected answer.
+
+``python -m kernels.rl.online_dpo`` trains three arms from the SFT checkpoint with the same steps, pairs per
+step, beta and learning rate: offline DPO on models/rl/dpo/pairs.pt, online DPO judged by the verifier, online
+DPO judged by the model itself; it measures the self-judge against the verifier on held-out prompts and writes
+models/rl/online-dpo/.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from kernels import runtime
+from kernels.rl import sft, task
+from kernels.rl.preference import _log_sigmoid, sequence_logprobs
+
+BLOCK = 1024
+JUDGES = ("verifier", "self")
+
+
+def online_dpo_loss_ref(pa, pb, qa, qb, sa, sb, *, beta: float = 0.1):
+    """(mean DPO loss over the pairs the judge does not tie, labels z (P,)); all arguments (P,) float:
+    policy (pa, pb) and reference (qa, qb) summed log-probs of answers a and b, judge scores (sa, sb)."""
+    z = torch.sign(sa - sb)                                                    # (P,) +1, -1 or 0 (tie)
+    keep = z != 0
+    h = beta * z * ((pa - qa) - (pb - qb))                                     # the chosen-minus-rejected margin
+    loss = -F.logsigmoid(h[keep]).sum() / keep.sum().clamp_min(1)
+    return loss, z
+
+
+@triton.jit
+def _online_dpo_kernel(pa_ptr, pb_ptr, qa_ptr, qb_ptr, sa_ptr, sb_ptr,    # (P,) each
+                       loss_ptr, dpa_ptr, dpb_ptr, z_ptr,                  # (P,) outputs, not yet divided by #pairs
+                       P, beta,
+                       BLOCK: tl.constexpr, MASK_TIES: tl.constexpr = True, SWAP: tl.constexpr = False):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < P
+    sa = tl.load(sa_ptr + offs, mask=ok, other=0.0)
+    sb = tl.load(sb_ptr + offs, mask=ok, other=0.0)
+    z = tl.where(sa > sb, 1.0, tl.where(sb > sa, -1.0, 0.0))                  # the judge's label
+    if not MASK_TIES:
+        z = tl.where(z == 0.0, 1.0, z)                                       # broken: a tie becomes "a wins"
+    if SWAP:
+        z = -z                                                               # broken: chosen and rejected swapped
+    ra = tl.load(pa_ptr + offs, mask=ok, other=0.0) - tl.load(qa_ptr + offs, mask=ok, other=0.0)
+    rb = tl.load(pb_ptr + offs, mask=ok, other=0.0) - tl.load(qb_ptr + offs, mask=ok, other=0.0)
+    h = beta * z * (ra - rb)                                                 # h = beta z (r_a - r_b)
+    pair = z != 0.0
+    loss = tl.where(pair, -_log_sigmoid(h), 0.0)                             # -log sigma(h), 0 on a tie
+    d = tl.where(pair, -beta * z * tl.sigmoid(-h), 0.0)                      # dloss/d(r_a - r_b)
+    tl.store(loss_ptr + offs, loss, mask=ok)
+    tl.store(dpa_ptr + offs, d, mask=ok)
+    tl.store(dpb_ptr + offs, -d, mask=ok)
+    tl.store(z_ptr + offs, z, mask=ok)
+
+
+def _launch_args(t: dict, out: dict, beta: float, variant: dict):
+    """(grid, args, kwargs) of the kernel's launch over P pairs; shared by the autograd function and aot_job."""
+    P = t["pa"].numel()
+    args = (t["pa"], t["pb"], t["qa"], t["qb"], t["sa"], t["sb"], out["loss"], out["dpa"], out["dpb"], out["z"], P, beta)
+    return (triton.cdiv(P, BLOCK),), args, dict(BLOCK=BLOCK, **variant)
+
+
+def aot_job(pairs: int = 4096):
+    """The launch :func:`online_dpo_loss` makes for ``pairs`` pairs (Guo et al. sample 2 answers for each prompt
+    of a batch; 4096 is a large batch), built from meta tensors by :func:`kernels.inspect.launch_job`."""
+    from kernels import inspect as ki
+
+    x = torch.empty(pairs, dtype=torch.float32, device="meta")               # (P,) every input and output
+    t = {k: x for k in ("pa", "pb", "qa", "qb", "sa", "sb")}
+    grid, args, kwargs = _launch_args(t, {k: x for k in ("loss", "dpa", "dpb", "z")}, 0.1,
+                                      {"MASK_TIES": True, "SWAP": False})
+    return ki.launch_job(_online_dpo_kernel, *args, grid=grid, **kwargs)
+
+
+class _OnlineDPOLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pa, pb, t, beta, variant):
+        P = t["pa"].numel()
+        out = {k: torch.empty(P, dtype=torch.float32, device=pa.device) for k in ("loss", "dpa", "dpb", "z")}
+        if P:
+            grid, args, kwargs = _launch_args(t, out, beta, variant)
+            _online_dpo_kernel[grid](*args, **kwargs)
+        n = (out["z"] != 0).sum().clamp_min(1).float()                          # pairs the judge did not tie
+        ctx.save_for_backward(out["dpa"] / n, out["dpb"] / n)
+        ctx.mark_non_differentiable(out["z"])
+        return out["loss"].sum() / n, out["z"]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_z):
+        dpa, dpb = ctx.saved_tensors
+        return grad_out * dpa, grad_out * dpb, None, None, None
+
+
+def online_dpo_loss(pa, pb, qa, qb, sa, sb, *, beta: float = 0.1, mask_ties: bool = True, swap: bool = False):
+    """:func:`online_dpo_loss_ref` with the fused kernel, differentiable in pa and pb; returns (loss, z).
+    ``mask_ties=False`` and ``swap=True`` are the broken variants."""
+    name = "online_dpo_loss"
+    if not beta > 0:
+        raise ValueError(f"{name}: beta must be > 0, got {beta}")
+    t = {}
+    for k, v in (("pa", pa), ("pb", pb), ("qa", qa), ("qb", qb), ("sa", sa), ("sb", sb)):
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 or not v.dtype.is_floating_point:
+            raise ValueError(f"{name}: {k} must be a 1-D floating-point tensor")
+        if v.shape != pa.shape:
+            raise ValueError(f"{name}: {k} has shape {tuple(v.shape)}, pa has {tuple(pa.shape)}")
+        if v.device.type != runtime.device().type:
+            raise ValueError(f"{name}: {k} is on {v.device}; kernels run on {runtime.device()}")
+        t[k] = v.detach().float().contiguous()
+    if not bool(torch.isfinite(t["sa"]).all() & torch.isfinite(t["sb"]).all()):
+        raise ValueError(f"{name}: judge scores sa, sb must be finite")
+    return _OnlineDPOLoss.apply(pa, pb, t, float(beta), {"MASK_TIES": bool(mask_ties), "SWAP": bool(swap)})
+
+
+# ---------------------------------------------------------------- the judges
+
+def same_answer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(P,) bool: the two completions (P, L) are the same up to and including their first END."""
+    ma, mb = task.completion_mask(a), task.completion_mask(b)
+    return ((a * ma) == (b * mb)).all(1) & (ma == mb).all(1)
+
+
+@torch.no_grad()
+def judge_scores(judge: str, judge_model, a: torch.Tensor, b: torch.Tensor, pairs: torch.Tensor):
+    """Scores (sa, sb) of answers a and b (P, L) to ``pairs`` (P, 2). ``verifier``: the task's 0/1 reward.
+    ``self``: ``judge_model``'s mean per-token log-likelihood of each answer, scored one answer at a time
+    (the judge never sees the two together, so it cannot prefer a position); the same answer twice is a tie."""
+    if judge == "verifier":
+        return task.rewards(a, pairs), task.rewards(b, pairs)
+    if judge != "self":
+        raise ValueError(f"judge_scores: judge must be one of {JUDGES}, got {judge!r}")
+    la, na = sequence_logprobs(judge_model, a, pairs)
+    lb, nb = sequence_logprobs(judge_model, b, pairs)
+    sa, sb = la / na, lb / nb
+    same = same_answer(a, b)
+    return sa, torch.where(same, sa, sb)
+
+
+@torch.no_grad()
+def judge_agreement(judge_model, policy, pairs: torch.Tensor, gen: torch.Generator) -> dict:
+    """Two answers per prompt from ``policy``; the self-judge against the verifier on them (exact counts)."""
+    rep = pairs.repeat_interleave(2, 0)
+    comp = task.sample(policy, rep, temperature=1.0, generator=gen)
+    a, b = comp[0::2], comp[1::2]
+    va, vb = judge_scores("verifier", None, a, b, pairs)
+    sa, sb = judge_scores("self", judge_model, a, b, pairs)
+    zv, zs = torch.sign(va - vb), torch.sign(sa - sb)
+    decisive = zv != 0
+    return {"pairs": len(pairs), "verifier_decisive": int(decisive.sum()), "verifier_ties": int((~decisive).sum()),
+            "both_right": int(((va == 1) & (vb == 1)).sum()), "self_ties": int((zs == 0).sum()),
+            "self_agrees": int((decisive & (zs == zv)).sum()), "self_disagrees": int((decisive & (zs == -zv)).sum()),
+            "self_tied_on_decisive": int((decisive & (zs == 0)).sum())}
+
+
+# ---------------------------------------------------------------- the three arms
+
+ARMS = ("offline", "online-verifier", "online-self")
+
+
+def _fresh_batch(policy, reference, judge: str, train_pairs, prompts: int, batch: int, gen):
+    """Two answers from ``policy`` for ``prompts`` random training prompts, judged; the judge's decisive pairs
+    beyond the first ``batch`` are made ties so that every arm trains on at most ``batch`` pairs a step. Returns
+    (pairs, a, b, sa, sb, the number of prompts whose two answers the judge itself tied)."""
+    pairs = train_pairs[torch.randint(0, len(train_pairs), (prompts,), generator=gen)]
+    comp = task.sample(policy, pairs.repeat_interleave(2, 0), temperature=1.0, generator=gen)
+    a, b = comp[0::2], comp[1::2]
+    sa, sb = judge_scores(judge, reference, a, b, pairs)
+    decisive = (sa != sb).nonzero().squeeze(1)
+    sb = sb.clone()
+    sb[decisive[batch:]] = sa[decisive[batch:]]
+    return pairs, a, b, sa, sb, prompts - len(decisive)
+
+
+@torch.no_grad()
+def drift(policy, reference, old: dict, fresh_pairs: torch.Tensor, gen: torch.Generator, beta: float) -> dict:
+    """On- vs off-policy: the policy's mean log-prob of the old pairs' answers and of its own fresh samples, and
+    the implicit reward margin beta (r_c - r_r) on old pairs and on fresh verifier-labelled pairs."""
+    pc, _ = sequence_logprobs(policy, old["chosen"], old["pairs"])
+    pr, _ = sequence_logprobs(policy, old["rejected"], old["pairs"])
+    qc, _ = sequence_logprobs(reference, old["chosen"], old["pairs"])
+    qr, _ = sequence_logprobs(reference, old["rejected"], old["pairs"])
+    comp = task.sample(policy, fresh_pairs.repeat_interleave(2, 0), temperature=1.0, generator=gen)
+    a, b = comp[0::2], comp[1::2]
+    pa, _ = sequence_logprobs(policy, a, fresh_pairs)
+    pb, _ = sequence_logprobs(policy, b, fresh_pairs)
+    qa, _ = sequence_logprobs(reference, a, fresh_pairs)
+    qb, _ = sequence_logprobs(reference, b, fresh_pairs)
+    va, vb = judge_scores("verifier", None, a, b, fresh_pairs)
+    z = torch.sign(va - vb)
+    keep = z != 0
+    fresh_margin = (beta * z * ((pa - qa) - (pb - qb)))[keep]
+    return {"logp_old_chosen": round(float(pc.mean()), 4), "logp_old_rejected": round(float(pr.mean()), 4),
+            "logp_own_samples": round(float(torch.cat([pa, pb]).mean()), 4),
+            "margin_old": round(float((beta * ((pc - qc) - (pr - qr))).mean()), 4),
+            "margin_fresh": round(float(fresh_margin.mean()), 4) if bool(keep.any()) else "",
+            "fresh_decisive": int(keep.sum())}
+
+
+def train_arm(arm: str, old: dict, *, steps: int = 120, batch: int = 32, prompts: int = 256, beta: float = 0.1,
+              lr: float = 1e-5, seed: int = 0, eval_every: int = 20, drift_pairs: int = 128, progress: bool = True,
+              stop_after: int | None = None) -> dict:
+    """Train the SFT checkpoint with ``arm`` (ARMS) for ``steps`` steps of at most ``batch`` pairs; {"log": rows}."""
+    from tqdm import tqdm
+
+    if arm not in ARMS:
+        raise ValueError(f"train_arm: arm must be one of {ARMS}, got {arm!r}")
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    policy = sft.load_sft().train()
+    reference = copy.deepcopy(policy).eval()
+    train_pairs, held_out = task.split_pairs()
+    old_probe = {k: v[:drift_pairs] for k, v in old.items()}
+    fresh_probe = train_pairs[-drift_pairs:]
+    gen = torch.Generator().manual_seed(seed)
+    probe_gen = lambda: torch.Generator().manual_seed(seed + 1)             # noqa: E731  same probe samples each eval
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    log = [{"step": 0, "loss": "", "pairs": "", "ties": "", "held_out_accuracy": task.accuracy(policy, held_out),
+            **drift(policy, reference, old_probe, fresh_probe, probe_gen(), beta)}]
+    for step in tqdm(range(1, (stop_after or steps) + 1), desc=arm, disable=not progress):
+        if arm == "offline":
+            idx = torch.randint(0, len(old["pairs"]), (batch,), generator=gen)
+            pairs, a, b = old["pairs"][idx], old["chosen"][idx], old["rejected"][idx]
+            sa, sb = torch.ones(batch), torch.zeros(batch)
+            judge_ties = 0
+        else:
+            pairs, a, b, sa, sb, judge_ties = _fresh_batch(policy, reference, arm.split("-")[1], train_pairs, prompts, batch, gen)
+        with torch.no_grad():
+            qa, _ = sequence_logprobs(reference, a, pairs)
+            qb, _ = sequence_logprobs(reference, b, pairs)
+        pa, _ = sequence_logprobs(policy, a, pairs)
+        pb, _ = sequence_logprobs(policy, b, pairs)
+        loss, z = online_dpo_loss(pa, pb, qa, qb, sa, sb, beta=beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        n = int((z != 0).sum())
+        row = {"step": step, "loss": round(float(loss.detach()), 5), "pairs": n, "ties": judge_ties,
+               "held_out_accuracy": ""}
+        row.update({k: "" for k in log[0] if k not in row})
+        if step % eval_every == 0 or step == steps:
+            row["held_out_accuracy"] = task.accuracy(policy, held_out)
+            row.update(drift(policy, reference, old_probe, fresh_probe, probe_gen(), beta))
+        log.append(row)
+    return {"log": log, "model": policy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m kernels.rl.online_dpo: the three arms and the judge's agreement; writes models/rl/online-dpo/."""
+    import argparse
+    import csv
+    import json
+    import time
+
+    p = argparse.ArgumentParser(prog="python -m kernels.rl.online_dpo")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--lr", type=float, default=1e-5)
+    args = p.parse_args(argv)
+    out = sft.OUT_DIR / "online-dpo"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    old = torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")
+    meta = {"steps": args.steps, "batch": 32, "prompts_per_step": 256, "beta": 0.1, "lr": args.lr, "seed": 0,
+            "old_pairs": len(old["pairs"]), "torch": torch.__version__, "command": "python -m kernels.rl.online_dpo"}
+    sft_model = sft.load_sft()
+    _, held_out = task.split_pairs()
+    start = time.perf_counter()
+    meta["judge_sft_held_out"] = judge_agreement(sft_model, sft_model, held_out.repeat(4, 1), torch.Generator().manual_seed(7))
+    meta["judge_seconds"] = round(time.perf_counter() - start, 1)
+    for arm in ARMS:
+        start = time.perf_counter()
+        res = train_arm(arm, old, steps=args.steps, lr=args.lr)
+        log = res["log"]
+        with open(out / f"{arm}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(log[0]))
+            writer.writeheader()
+            writer.writerows(log)
+        meta[f"{arm}_seconds"] = round(time.perf_counter() - start, 1)
+        meta[f"{arm}_held_out_accuracy"] = log[-1]["held_out_accuracy"]
+        meta[f"{arm}_pairs_trained"] = sum(r["pairs"] for r in log[1:])
+        meta[f"{arm}_judge_ties"] = sum(r["ties"] for r in log[1:])
+        if arm == "online-self":      # the judge against the verifier on the answers of the policy it trained
+            meta["judge_trained_held_out"] = judge_agreement(sft_model, res["model"].eval(), held_out.repeat(4, 1),
+                                                             torch.Generator().manual_seed(7))
+        (out / "metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(meta)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def compile_jobs() -> dict:
+    """The online DPO loss over 4096 judged pairs."""
+    return {"online DPO loss, 4096 pairs": aot_job()}
