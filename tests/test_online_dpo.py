@@ -114,6 +114,8 @@ def run():
 
 
 def test_committed_logs_are_consistent(run):
+    from kernels.rl import sft
+
     meta, logs = run
     for arm, log in logs.items():
         assert len(log) == meta["steps"] + 1
@@ -121,6 +123,9 @@ def test_committed_logs_are_consistent(run):
         assert all(0 < r["pairs"] <= meta["batch"] for r in log[1:])
         assert sum(r["pairs"] for r in log[1:]) == meta[f"{arm}_pairs_trained"]
     assert all(r["ties"] == 0 for r in logs["offline"][1:])
+    dpo = sft.read_log(sft.OUT_DIR / "dpo" / "dpo.csv")          # the DPO chapter's run on the same pairs and seed
+    assert [r["loss"] for r in logs["offline"][1:4]] == [r["loss"] for r in dpo[1:4]]
+    assert logs["offline"][-1]["held_out_accuracy"] == dpo[-1]["held_out_accuracy"]
     j = meta["judge_sft_held_out"]
     assert j["verifier_decisive"] + j["verifier_ties"] == j["pairs"]
     assert j["self_agrees"] + j["self_disagrees"] + j["self_tied_on_decisive"] == j["verifier_decisive"]
