@@ -70,6 +70,16 @@ def test_broken_variants_are_caught(broken):
                      O.online_dpo_loss_ref(pa, pb, qa, qb, sa, sb)[0], name=f"broken {broken}")
 
 
+def test_unmasked_ties_are_trls_rule():
+    """TRL 1.16's OnlineDPOTrainer with reward functions: first answer chosen where its reward is >= the second's,
+    loss averaged over all pairs. That is the MASK_TIES=False variant: the reference with every tie given to a."""
+    pa, pb, qa, qb, sa, sb = _case(300)
+    assert int((sa == sb).sum()) > 100
+    tie_to_a = torch.where(sa == sb, sb + 1, sa)
+    assert_close(O.online_dpo_loss(pa, pb, qa, qb, sa, sb, mask_ties=False)[0],
+                 O.online_dpo_loss_ref(pa, pb, qa, qb, tie_to_a, sb)[0], name="ties to a")
+
+
 def test_bad_inputs_are_refused():
     pa, pb, qa, qb, sa, sb = _case(4)
     with pytest.raises(ValueError, match="beta must be > 0"):

@@ -177,15 +177,15 @@ def judge_agreement(judge_model, policy, pairs: torch.Tensor, gen: torch.Generat
 
 # ---------------------------------------------------------------- the three arms
 
-ARMS = ("offline", "online-verifier", "online-self")
+ARMS = ("offline", "offpolicy-verifier", "online-verifier", "online-self")
 
 
-def _fresh_batch(policy, reference, judge: str, train_pairs, prompts: int, batch: int, gen):
-    """Two answers from ``policy`` for ``prompts`` random training prompts, judged; the judge's decisive pairs
+def _fresh_batch(policy, reference, judge: str, train_pairs, prompts: int, batch: int, gen, *, sampler=None):
+    """Two answers from ``sampler`` (default: ``policy``) for ``prompts`` random training prompts, judged; the judge's decisive pairs
     beyond the first ``batch`` are made ties so that every arm trains on at most ``batch`` pairs a step. Returns
     (pairs, a, b, sa, sb, the number of prompts whose two answers the judge itself tied)."""
     pairs = train_pairs[torch.randint(0, len(train_pairs), (prompts,), generator=gen)]
-    comp = task.sample(policy, pairs.repeat_interleave(2, 0), temperature=1.0, generator=gen)
+    comp = task.sample(policy if sampler is None else sampler, pairs.repeat_interleave(2, 0), temperature=1.0, generator=gen)
     a, b = comp[0::2], comp[1::2]
     sa, sb = judge_scores(judge, reference, a, b, pairs)
     decisive = (sa != sb).nonzero().squeeze(1)
@@ -246,7 +246,9 @@ def train_arm(arm: str, old: dict, *, steps: int = 120, batch: int = 32, prompts
             sa, sb = torch.ones(batch), torch.zeros(batch)
             judge_ties = 0
         else:
-            pairs, a, b, sa, sb, judge_ties = _fresh_batch(policy, reference, arm.split("-")[1], train_pairs, prompts, batch, gen)
+            sampler = reference if arm.startswith("offpolicy") else policy      # offpolicy: fresh pairs, old sampler
+            pairs, a, b, sa, sb, judge_ties = _fresh_batch(policy, reference, arm.split("-")[1], train_pairs, prompts,
+                                                           batch, gen, sampler=sampler)
         with torch.no_grad():
             qa, _ = sequence_logprobs(reference, a, pairs)
             qb, _ = sequence_logprobs(reference, b, pairs)
@@ -278,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.rl.online_dpo")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
+                   help="run only these arms and update their entries in an existing metrics.json")
     args = p.parse_args(argv)
     out = sft.OUT_DIR / "online-dpo"
     out.mkdir(parents=True, exist_ok=True)
@@ -287,10 +291,15 @@ def main(argv: list[str] | None = None) -> int:
             "old_pairs": len(old["pairs"]), "torch": torch.__version__, "command": "python -m kernels.rl.online_dpo"}
     sft_model = sft.load_sft()
     _, held_out = task.split_pairs()
-    start = time.perf_counter()
-    meta["judge_sft_held_out"] = judge_agreement(sft_model, sft_model, held_out.repeat(4, 1), torch.Generator().manual_seed(7))
-    meta["judge_seconds"] = round(time.perf_counter() - start, 1)
-    for arm in ARMS:
+    if args.arms != list(ARMS):
+        meta = dict(json.loads((out / "metrics.json").read_text()), **{k: meta[k] for k in ("steps", "lr")})
+        for arm in args.arms:
+            meta[f"{arm}_command"] = "python -m kernels.rl.online_dpo --arms " + " ".join(args.arms)
+    else:
+        start = time.perf_counter()
+        meta["judge_sft_held_out"] = judge_agreement(sft_model, sft_model, held_out.repeat(4, 1), torch.Generator().manual_seed(7))
+        meta["judge_seconds"] = round(time.perf_counter() - start, 1)
+    for arm in args.arms:
         start = time.perf_counter()
         res = train_arm(arm, old, steps=args.steps, lr=args.lr)
         log = res["log"]
