@@ -17,10 +17,11 @@ The fused kernel turns the four summed log-probs and two judge scores of each pa
 and its gradients in one pass. Broken variants for the tests: MASK_TIES=False counts a tie as "a preferred",
 SWAP=True trains towards the rejected answer.
 
-``python -m kernels.rl.online_dpo`` trains three arms from the SFT checkpoint with the same steps, pairs per
-step, beta and learning rate: offline DPO on models/rl/dpo/pairs.pt, online DPO judged by the verifier, online
-DPO judged by the model itself; it measures the self-judge against the verifier on held-out prompts and writes
-models/rl/online-dpo/.
+``python -m kernels.rl.online_dpo`` trains four arms from the SFT checkpoint with the same steps, pairs per
+step, beta and learning rate: offline DPO on models/rl/dpo/pairs.pt; fresh verifier-labelled pairs sampled
+from the frozen SFT model (off-policy, as many distinct pairs as online); online DPO judged by the verifier;
+online DPO judged by the model itself. It measures the self-judge against the verifier on held-out prompts
+and writes models/rl/online-dpo/.
 """
 from __future__ import annotations
 
