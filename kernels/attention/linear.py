@@ -207,7 +207,7 @@ def _launch_args(q, k, v, o, s, log2_decay, *, chunk: int, block_v: int | None, 
     grid = (B * H, triton.cdiv(DV, BV))
     args = (q, k, v, o, s, log2_decay, T, H, DK, DV, *q.stride(), *k.stride(), *v.stride(), *o.stride())
     kwargs = dict(BLOCK_T=chunk, BLOCK_K=_pow2(DK), BLOCK_V=BV, REVERSE=reverse, STORE_STATE=store_state,
-                  BROKEN=broken, num_warps=4 if BV * _pow2(DK) <= 64 * 128 else 8)
+                  BROKEN=broken, num_warps=4 if BV * _pow2(DK) < 64 * 128 else 8)
     return grid, args, kwargs
 
 
@@ -342,12 +342,12 @@ def qwen3_next_bytes(context: int, bytes_per_element: int = 2) -> tuple[int, int
 # ----------------------------------------------------------------------------------------------
 # Compile jobs
 
-# MiniMax-01's Lightning Attention layers use 64 heads of 128 (cited in the chapter); 64k tokens, batch 1.
-REAL_SHAPE = dict(B=1, H=64, T=65536, d=128)
+# Qwen3-Next-80B-A3B's linear layers: 32 value heads with d_k = d_v = 128 (config.json); 64k tokens, batch 1.
+REAL_SHAPE = dict(B=1, H=32, T=65536, d=128)
 
 
 def compile_jobs() -> dict:
-    """The forward and one reversed (backward) walk at head dim 128, 64 heads, 64k tokens, fp16 and bf16,
+    """The forward and one reversed (backward) walk at head dim 128, 32 heads, 64k tokens, fp16 and bf16,
     chunk 64, as ``linear_attention`` launches them on a GPU."""
     from kernels import inspect as ki
 
@@ -364,3 +364,115 @@ def compile_jobs() -> dict:
             label = f"linear attention {'backward (reversed walk)' if reverse else 'forward'}, {name}, H={H}, T={T}, d={d}"
             jobs[label] = ki.launch_job(_linear_attention_fwd_kernel, *args, grid=grid, **kwargs)
     return jobs
+
+
+# ----------------------------------------------------------------------------------------------
+# Associative recall: what a fixed state cannot do (a committed run, python -m kernels.attention.linear)
+
+RECALL_CONFIG = dict(keys=64, values=64, d_model=64, d_head=16, batch=64, steps=600, lr=3e-3,
+                     pairs=(4, 8, 16, 32, 64), eval_sequences=1024)
+
+
+def recall_batch(n_pairs: int, batch: int, keys: int, values: int, generator: torch.Generator):
+    """MQAR-style data (Arora et al. 2023): each sequence binds n_pairs distinct keys to random values,
+    then asks for every key once, in a new order. Returns (pair_keys, pair_values, query_keys, targets),
+    each (batch, n_pairs) int64."""
+    pk = torch.argsort(torch.rand(batch, keys, generator=generator), -1)[:, :n_pairs]
+    pv = torch.randint(0, values, (batch, n_pairs), generator=generator)
+    order = torch.argsort(torch.rand(batch, n_pairs, generator=generator), -1)
+    return pk, pv, torch.gather(pk, 1, order), torch.gather(pv, 1, order)
+
+
+class RecallModel(torch.nn.Module):
+    """One attention layer reading n (key, value) pair tokens from n query tokens. ``kind``:
+    "softmax" (softmax(Q K^T / sqrt(d)) V), "linear" (Q (K^T V): the d_head x d_head state of
+    linear_attention, decay 1) or "delta" (the delta rule's state, alpha = 1, beta learned, keys
+    L2-normalised: gated_delta_rule_ref). The same parameters in all three, but beta's d_model weights."""
+
+    def __init__(self, kind: str, keys: int, values: int, d_model: int, d_head: int):
+        super().__init__()
+        if kind not in ("softmax", "linear", "delta"):
+            raise ValueError(f"RecallModel: kind must be softmax, linear or delta, got {kind!r}")
+        self.kind = kind
+        self.key_emb = torch.nn.Embedding(keys, d_model)
+        self.val_emb = torch.nn.Embedding(values, d_model)
+        self.wq, self.wk, self.wv = (torch.nn.Linear(d_model, d_head, bias=False) for _ in range(3))
+        self.out = torch.nn.Linear(d_head, values)
+        self.wb = torch.nn.Linear(d_model, 1) if kind == "delta" else None
+
+    def forward(self, pk, pv, qk):
+        x = self.key_emb(pk) + self.val_emb(pv)                  # pair tokens (B, n, d_model)
+        xq = self.key_emb(qk)                                     # query tokens
+        q, k, v = self.wq(xq), self.wk(x), self.wv(x)              # (B, n, d_head)
+        if self.kind == "softmax":
+            o = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), -1) @ v
+        elif self.kind == "linear":
+            o = q @ (k.transpose(1, 2) @ v)                       # Q S with S = sum_i k_i v_i^T
+        else:
+            from kernels.attention.delta_rule import gated_delta_rule_ref
+            kn = torch.nn.functional.normalize(k, dim=-1)
+            beta = torch.sigmoid(self.wb(x))[..., 0]
+            _, S = gated_delta_rule_ref(kn[:, None], kn[:, None], v[:, None],
+                                        torch.ones_like(beta)[:, None], beta[:, None])   # S (B, 1, d_v, d_k)
+            o = q @ S[:, 0].transpose(1, 2)                        # o = S q for every query
+        return self.out(o)
+
+
+def train_recall(kind: str, n_pairs: int, *, steps: int | None = None, seed: int = 0, progress=None) -> float:
+    """Train one RecallModel on n_pairs pairs (seeded), return its accuracy on fresh sequences."""
+    c = RECALL_CONFIG
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = RecallModel(kind, c["keys"], c["values"], c["d_model"], c["d_head"])
+    opt = torch.optim.Adam(model.parameters(), lr=c["lr"])
+    for _ in range(steps or c["steps"]):
+        pk, pv, qk, tgt = recall_batch(n_pairs, c["batch"], c["keys"], c["values"], g)
+        loss = torch.nn.functional.cross_entropy(model(pk, pv, qk).flatten(0, 1), tgt.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if progress is not None:
+            progress.update(1)
+    g_eval = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        pk, pv, qk, tgt = recall_batch(n_pairs, c["eval_sequences"], c["keys"], c["values"], g_eval)
+        return float((model(pk, pv, qk).argmax(-1) == tgt).float().mean())
+
+
+def recall_experiment(out_path=None, kinds=("softmax", "linear", "delta"), pairs=None, steps=None) -> dict:
+    """Every kind at every pair count; writes json to ``out_path`` when given."""
+    import json
+    import time
+
+    from tqdm import tqdm
+
+    pairs = pairs or RECALL_CONFIG["pairs"]
+    steps = steps or RECALL_CONFIG["steps"]
+    t0 = time.time()
+    acc = {}
+    with tqdm(total=len(kinds) * len(pairs) * steps, desc="recall") as bar:
+        for kind in kinds:
+            acc[kind] = {str(n): train_recall(kind, n, steps=steps, progress=bar) for n in pairs}
+    result = dict(config={**RECALL_CONFIG, "pairs": list(pairs), "steps": steps}, accuracy=acc,
+                  seconds=round(time.time() - t0, 1), torch=torch.__version__,
+                  command="OMP_NUM_THREADS=1 python -m kernels.attention.linear")
+    if out_path is not None:
+        from pathlib import Path
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+RECALL_RESULTS = "models/linear-attention/recall.json"
+
+
+def load_recall_results() -> dict:
+    """The committed run's json (``RECALL_RESULTS``, relative to the repository root)."""
+    import json
+    from pathlib import Path
+    return json.loads((Path(__file__).resolve().parents[2] / RECALL_RESULTS).read_text())
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    res = recall_experiment(RECALL_RESULTS)
+    print(res["accuracy"], f"{res['seconds']} s")
