@@ -123,7 +123,7 @@ def _linear_attention_fwd_kernel(
     T, H, DK, DV,
     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    REVERSE: tl.constexpr, STORE_STATE: tl.constexpr, BROKEN: tl.constexpr,
+    REVERSE: tl.constexpr, STORE_STATE: tl.constexpr, BROKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (batch * head, block of d_v): walks the chunks in order, the state
     S (BLOCK_K, BLOCK_V) in fp32 registers. BROKEN = 1 forgets the inter-chunk decay lam^(i+1)."""
@@ -163,9 +163,9 @@ def _linear_attention_fwd_kernel(
         v = tl.load(v_base + t[:, None] * svt + offs_v[None, :] * svd,
                     mask=valid[:, None] & mask_v[None, :], other=0.0)                              # (C, BV)
 
-        scores = tl.dot(q, tl.trans(k)) * D                  # (Q K^T) * D, (C, C) fp32
-        o = tl.dot(scores.to(v.dtype), v)                    # intra-chunk
-        inter = tl.dot(q, S.to(q.dtype))                     # Q S, (C, BV)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * D                 # (Q K^T) * D, (C, C) fp32
+        o = tl.dot(scores.to(v.dtype), v, input_precision=DOT_PRECISION)                  # intra-chunk
+        inter = tl.dot(q, S.to(q.dtype), input_precision=DOT_PRECISION)                 # Q S, (C, BV)
         if BROKEN:
             o += inter                                       # the bug: the state read without lam^(i+1)
         else:
@@ -176,7 +176,7 @@ def _linear_attention_fwd_kernel(
         n = tl.minimum(T - c * BLOCK_T, BLOCK_T)             # tokens in this chunk (the tail is shorter)
         v_decay = tl.where(valid, tl.exp2((n - 1 - offs_t).to(tl.float32) * log2_lam), 0.0)   # lam^(n-1-j)
         S = S * tl.exp2(n.to(tl.float32) * log2_lam) + tl.dot(
-            tl.trans(k), (v * v_decay[:, None]).to(v.dtype))   # lam^n S + K^T diag(lam^(n-1-j)) V
+            tl.trans(k), (v * v_decay[:, None]).to(v.dtype), input_precision=DOT_PRECISION)   # lam^n S + K^T diag(lam^(n-1-j)) V
 
     if STORE_STATE:
         s_base = S_OUT + pid_bh.to(tl.int64) * DK * DV
@@ -207,7 +207,8 @@ def _launch_args(q, k, v, o, s, log2_decay, *, chunk: int, block_v: int | None, 
     grid = (B * H, triton.cdiv(DV, BV))
     args = (q, k, v, o, s, log2_decay, T, H, DK, DV, *q.stride(), *k.stride(), *v.stride(), *o.stride())
     kwargs = dict(BLOCK_T=chunk, BLOCK_K=_pow2(DK), BLOCK_V=BV, REVERSE=reverse, STORE_STATE=store_state,
-                  BROKEN=broken, num_warps=4 if BV * _pow2(DK) < 64 * 128 else 8)
+                  BROKEN=broken, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",   # fp32: no tf32
+                  num_warps=4 if BV * _pow2(DK) < 64 * 128 else 8)
     return grid, args, kwargs
 
 
