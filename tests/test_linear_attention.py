@@ -181,12 +181,55 @@ def test_recall_script_runs_a_short_slice(tmp_path):
 @pytest.fixture(scope="module")
 def builds():
     jobs = {label: job for label, job in L.compile_jobs().items() if "float16" in label and "bfloat" not in label}
+    jobs.update(DR.compile_jobs())
     return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm90",))))
 
 
 def test_sm90a_builds_without_spills(builds):
-    assert len(builds) == 2
+    assert len(builds) == 3
     for label, b in builds.items():
         b = b["sm90"]
         assert b.spills == 0 and b.metadata["stack_bytes"] == 0, label
-        assert b.tensor_core == "HGMMA", (label, b.tensor_core)        # wgmma: 64-row chunks fill its tiles
+        if label.startswith("linear attention"):
+            assert b.tensor_core == "HGMMA", (label, b.tensor_core)    # wgmma: 64-row chunks fill its tiles
+        else:                                                           # one token: mat-vec work on CUDA cores
+            assert b.tensor_core == "-", (label, b.tensor_core)
+
+
+@pytest.mark.parametrize("dtype", runtime.runtime().check_dtypes, ids=str)
+def test_gated_delta_rule_kernel_matches_the_fp64_recurrence_and_carries_its_state(dtype):
+    """Two halves with the state carried equal the whole run; d_v = 40 spans two 32-row blocks, d_k = 20 a tail."""
+    B, H, T, dk, dv = 2, 2, 23, 20, 40
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _inputs(B, H, T, dk, dv, seed=7)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    alpha = 0.6 + 0.4 * torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    low = [x.to(dtype) for x in (q, k, v)] + [alpha.float(), beta.float()]
+    views = [_canary_view(x) for x in low[:3]] + [_canary_view(x[..., None])[..., 0] for x in low[3:]]
+    o_ref, s_ref = DR.gated_delta_rule_ref(*(x.double() for x in low))
+    o_base, s_base = DR.gated_delta_rule_ref(*low[:3], *(x.to(dtype) for x in low[3:]))   # PyTorch in dtype (fp32 math)
+    o, s = DR.gated_delta_rule_recurrent(*views)
+    assert_close(o, o_ref, dtype=dtype, baseline=o_base.to(dtype), name="o")
+    assert_close(s, s_ref, dtype=torch.float32, name="state")
+    h = 11
+    o1, s1 = DR.gated_delta_rule_recurrent(*(x[:, :, :h] for x in views))
+    o2, s2 = DR.gated_delta_rule_recurrent(*(x[:, :, h:] for x in views), initial_state=s1)
+    assert torch.equal(torch.cat([o1, o2], 2), o) and torch.equal(s2, s)
+
+
+def test_gated_delta_rule_kernel_broken_variant_and_bad_inputs():
+    q, k, v = (x.float() for x in _inputs(1, 2, 15, 16, 16, seed=2))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    alpha = torch.full((1, 2, 15), 0.8)
+    beta = torch.full((1, 2, 15), 0.7)
+    o_ref, _ = DR.gated_delta_rule_ref(*(x.double() for x in (q, k, v, alpha, beta)))
+    assert_close(DR.gated_delta_rule_recurrent(q, k, v, alpha, beta)[0], o_ref, dtype=torch.float32)
+    with pytest.raises(MismatchError):
+        assert_close(DR.gated_delta_rule_recurrent(q, k, v, alpha, beta, _broken=1)[0], o_ref, dtype=torch.float32)
+    with pytest.raises(ValueError, match="alpha and beta must be"):
+        DR.gated_delta_rule_recurrent(q, k, v, alpha[..., :3], beta)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        DR.gated_delta_rule_recurrent(q, k, v, alpha, beta, initial_state=torch.zeros(1, 2, 16, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="beta has dtype"):
+        DR.gated_delta_rule_recurrent(q, k, v, alpha, beta.long())
