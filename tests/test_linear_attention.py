@@ -182,13 +182,17 @@ def test_recall_script_runs_a_short_slice(tmp_path):
 def builds():
     jobs = {label: job for label, job in L.compile_jobs().items() if "float16" in label and "bfloat" not in label}
     jobs.update(DR.compile_jobs())
-    return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm90",))))
+    return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm80", "sm90"))))
 
 
-def test_sm90a_builds_without_spills(builds):
-    assert len(builds) == 3
+def test_sm90a_and_a100_builds_without_spills(builds):
+    assert len(builds) == 4
     for label, b in builds.items():
-        b = b["sm90"]
+        a100 = "A100 launch" in label
+        b = b["sm80" if a100 else "sm90"]
+        if a100:
+            assert b.spills == 0 and b.tensor_core == "HMMA", label                 # mma.sync, chunk 32
+            continue
         assert b.spills == 0 and b.metadata["stack_bytes"] == 0, label
         if label.startswith("linear attention"):
             assert b.tensor_core == "HGMMA", (label, b.tensor_core)    # wgmma: 64-row chunks fill its tiles

@@ -191,11 +191,18 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
+def gpu_chunk(capability_major: int) -> int:
+    """The token tile on a GPU: 64 (Lightning Attention-2's block, wgmma's 64 rows) from sm_90 on; 32 below,
+    where mma.sync keeps every accumulator in registers and the 64-token tile at d = 128 spilled on sm_80
+    (compiled here with BLOCK_V = 64 and 8 warps: 76 spilled registers; at chunk 32 none)."""
+    return 64 if capability_major >= 9 else 32
+
+
 def default_chunk(T: int) -> int:
-    """64 on a GPU (Lightning Attention-2's block); on the interpreter the smallest power of two >= 16
+    """On a GPU, :func:`gpu_chunk` of its architecture; on the interpreter the smallest power of two >= 16
     that covers T in at most 4 chunks, capped at 64, so a check walks several chunks and a tail."""
     if runtime.runtime().on_gpu:
-        return 64
+        return gpu_chunk(torch.cuda.get_device_capability()[0])
     return min(64, _pow2(triton.cdiv(T, 4)))
 
 
@@ -349,7 +356,8 @@ REAL_SHAPE = dict(B=1, H=32, T=65536, d=128)
 
 def compile_jobs() -> dict:
     """The forward and one reversed (backward) walk at head dim 128, 32 heads, 64k tokens, fp16 and bf16,
-    chunk 64, as ``linear_attention`` launches them on a GPU."""
+    chunk 64, as ``linear_attention`` launches them on an H100 or B200; and the forward at chunk 32, as it
+    launches on an A100."""
     from kernels import inspect as ki
 
     jobs = {}
@@ -364,6 +372,11 @@ def compile_jobs() -> dict:
                                               store_state=not reverse, broken=0)
             label = f"linear attention {'backward (reversed walk)' if reverse else 'forward'}, {name}, H={H}, T={T}, d={d}"
             jobs[label] = ki.launch_job(_linear_attention_fwd_kernel, *args, grid=grid, **kwargs)
+    q = torch.empty(B, H, T, d, dtype=torch.float16, device="meta")
+    grid, args, kwargs = _launch_args(q, q, q, q, s, lg, chunk=gpu_chunk(8), block_v=None, reverse=False,
+                                      store_state=True, broken=0)
+    jobs[f"linear attention forward, float16, H={H}, T={T}, d={d}, A100 launch (chunk {gpu_chunk(8)})"] = \
+        ki.launch_job(_linear_attention_fwd_kernel, *args, target="sm80", grid=grid, **kwargs)
     return jobs
 
 
