@@ -370,7 +370,8 @@ def compile_jobs() -> dict:
         for reverse in (False, True):
             grid, args, kwargs = _launch_args(q, q, q, q, s, lg, chunk=64, block_v=None, reverse=reverse,
                                               store_state=not reverse, broken=0)
-            label = f"linear attention {'backward (reversed walk)' if reverse else 'forward'}, {name}, H={H}, T={T}, d={d}"
+            label = (f"linear attention {'backward (reversed walk)' if reverse else 'forward'}, {name}, H={H}, T={T}, "
+                     f"d={d}, H100/B200 launch (chunk 64)")
             jobs[label] = ki.launch_job(_linear_attention_fwd_kernel, *args, grid=grid, **kwargs)
     q = torch.empty(B, H, T, d, dtype=torch.float16, device="meta")
     grid, args, kwargs = _launch_args(q, q, q, q, s, lg, chunk=gpu_chunk(8), block_v=None, reverse=False,
