@@ -1,4 +1,4 @@
-"""kernels.rl.dapo: the policy-loss kernel (token ratio, GSPO's sequence ratio, GPG's no ratio), DAPO's
+"""kernels.rl.dapo: the policy-loss kernel (token ratio, GSPO's sequence ratio, GPG's no ratio, ASPO's flip), DAPO's
 switches (clip-higher, dynamic sampling, overlong shaping), GPG's advantage, the sm_90a build, the runs."""
 import json
 import re
@@ -9,7 +9,7 @@ import torch
 
 from kernels.inspect import compile_triton_many
 from kernels.rl import dapo, sft
-from kernels.rl.dapo import (RATIOS, aggregation_weights, completion_lengths, gpg_advantages_ref, informative_groups,
+from kernels.rl.dapo import (DUAL_CLIP, RATIOS, aggregation_weights, completion_lengths, gpg_advantages_ref, informative_groups,
                              overlong_penalty_ref, policy_loss, policy_loss_ref)
 from kernels.rl import task
 from kernels.testing import MismatchError, assert_close, nan_canary
@@ -50,7 +50,8 @@ def test_kernel_matches_autograd_reference(B, T, ratio, aggregation):
     assert_close(lp_view.grad, want_grad, name="dlogp")
 
 
-@pytest.mark.parametrize("broken,ratio", [("no_length_exponent", "sequence"), ("clip_higher_on_negative", "token")])
+@pytest.mark.parametrize("broken,ratio", [("no_length_exponent", "sequence"), ("clip_higher_on_negative", "token"),
+                                          ("flip_on_negative", "aspo"), ("no_stop_gradient", "aspo")])
 def test_broken_variants_are_caught(broken, ratio):
     B, T = 6, 4
     logp = torch.zeros(B, T)
@@ -62,6 +63,61 @@ def test_broken_variants_are_caught(broken, ratio):
     got = _grads(policy_loss, logp, old, adv, w, mask, ratio=ratio, broken=broken)
     with pytest.raises(MismatchError):
         assert_close(got[1], want[1], name=broken)
+
+
+def test_aspo_kernel_matches_reference_in_every_region():
+    """Log-ratios spread wide enough that every ASPO region occurs: for A < 0 hard-clipped (r < 0.8), free and
+    dual-clipped (r > 3); for A >= 0 dual-clipped (r < 1/3), free and hard-clipped (r > 1.28); canaries on."""
+    B, T = 23, 37
+    g = torch.Generator().manual_seed(11)
+    logp = -torch.rand(B, T, generator=g) * 3
+    old = logp + 1.5 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    adv[0] = 0.0                                                              # A = 0 takes the positive side: no gradient
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).float()
+    r, m, A = torch.exp(logp - old), mask > 0, adv[:, None].expand(B, T)
+    regions = {"neg clipped": (A < 0) & (r < 0.8), "neg free": (A < 0) & (r > 0.8) & (r < DUAL_CLIP),
+               "neg dual": (A < 0) & (r > DUAL_CLIP), "pos dual": (A > 0) & (r < 1 / DUAL_CLIP),
+               "pos free": (A > 0) & (r > 1 / DUAL_CLIP) & (r < 1.28), "pos clipped": (A > 0) & (r > 1.28)}
+    for name, where in regions.items():
+        assert int((where & m).sum()) >= 5, name
+    w = aggregation_weights(mask, "token")
+    pad = mask == 0
+    lp_view = nan_canary(logp.masked_fill(pad, float("nan")), rows=True).detach().requires_grad_()
+    got, stats = policy_loss(lp_view, nan_canary(old.masked_fill(pad, float("nan")), rows=True), adv,
+                             nan_canary(w, rows=True), nan_canary(mask, rows=True), ratio="aspo", return_stats=True)
+    got.backward()
+    want, want_grad = _grads(policy_loss_ref, logp, old, adv, w, mask, ratio="aspo")
+    assert_close(got.detach(), want, name="loss")
+    assert_close(lp_view.grad, want_grad, name="dlogp")
+    hard = int(((regions["neg clipped"] | regions["pos clipped"]) & m).sum())
+    assert abs(stats["clip_fraction"] * m.sum() - hard) < 1e-3                # the stat counts hard-clipped tokens only
+
+
+def test_aspo_flips_the_positive_weight_and_soft_clips_both_sides():
+    """One token per row, gradient -d loss / d logp read through the kernel, against the hand-derived weights:
+    A = +1: 1/r on [1/3, 1.28], c = 3 below 1/3 (the gradient kept, its size capped), 0 above 1.28;
+    A = -1: -r on [0.8, 3], -c above 3, 0 below 0.8. The token ratio's weight for A = +1 is r instead."""
+    r = torch.tensor([0.2, 0.3, 0.5, 0.9, 1.0, 1.2, 1.5, 2.0, 4.0])
+    lp, old, mask = torch.log(r)[:, None], torch.zeros(9, 1), torch.ones(9, 1)
+    for A in (1.0, -1.0):
+        adv = torch.full((9,), A)
+        g = -_grads(policy_loss, lp, old, adv, mask, mask, ratio="aspo")[1][:, 0]
+        if A > 0:
+            want = torch.where(r < 1 / 3, torch.tensor(3.0), torch.where(r <= 1.28, 1 / r, torch.tensor(0.0)))
+        else:
+            want = torch.where(r > 3, torch.tensor(-3.0), torch.where(r >= 0.8, -r, torch.tensor(0.0)))
+        assert torch.allclose(g, want, rtol=1e-5, atol=1e-6), (A, g, want)
+    tok = -_grads(policy_loss, lp, old, torch.ones(9), mask, mask, ratio="token")[1][:, 0]
+    assert torch.allclose(tok, torch.where(r <= 1.28, r, torch.tensor(0.0)), rtol=1e-5, atol=1e-6)
+
+
+def test_aspo_on_policy_equals_the_token_ratio():
+    """At pi = pi_old every r = 1 = 1/r: ASPO's first update on fresh samples is GRPO's."""
+    logp, _, adv, mask = _inputs(9, 6, seed=4)
+    w = aggregation_weights(mask, "token")
+    assert_close(_grads(policy_loss, logp, logp, adv, w, mask, ratio="aspo")[1],
+                 _grads(policy_loss, logp, logp, adv, w, mask, ratio="token")[1], name="on-policy")
 
 
 def test_clip_higher_widens_only_the_upper_bound():
@@ -139,6 +195,10 @@ def test_bad_inputs_are_refused():
         policy_loss(z, z.double(), a, m, m)
     with pytest.raises(ValueError, match="eps_low must be in"):
         policy_loss(z, z, a, m, m, eps_low=1.5)
+    with pytest.raises(ValueError, match="dual_clip applies to ratio='aspo' only"):
+        policy_loss(z, z, a, m, m, ratio="token", dual_clip=3.0)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(z, z, a, m, m, ratio="aspo", dual_clip=1.0)
     with pytest.raises(ValueError, match="need 0 < l_cache <= l_max"):
         overlong_penalty_ref(torch.tensor([3]), 4, 5)
 

@@ -1,4 +1,4 @@
-"""DAPO, GPG and GSPO: switches on the GRPO path, one loss kernel for the three ways a ratio is taken.
+"""DAPO, GPG, GSPO and ASPO: switches on the GRPO path, one loss kernel for the four ways a ratio is taken.
 
 DAPO (Yu et al. 2025, arXiv 2503.14476) changes four things in GRPO (kernels.rl.grpo):
 
@@ -29,14 +29,30 @@ geometric mean of its token ratios,
 clipped per answer: loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)); where the
 unclipped term is active, d loss_i / d logp_{i,t} = -A_i s_i / |o_i| for every token of the answer.
 
-The kernel (:func:`policy_loss`) takes per-answer advantages and computes the policy term for the three
+ASPO (Wang et al. 2025, arXiv 2510.06062; code: wizard-III/Archer2.0 at b08d963,
+verl/trainer/ppo/core_algos.py, compute_policy_loss_archer) keeps token ratios r_t = pi / pi_old but flips
+the ratio of positive-advantage tokens. Written as that code writes it, with p = min(r, 1 + eps_high) and
+sg() a stop-gradient (the paper's form is pi_old pi / sg(pi^2)):
+
+      A >= 0:  loss_t = -A (p / sg(p)) / sg(p)      value -A / p,  d/dlogp = -A / r  (0 where r > 1 + eps_high)
+      A <  0:  loss_t = -A max(r, 1 - eps_low)      the PPO term,  d/dlogp = -A r    (0 where r < 1 - eps_low)
+
+so a positive token that the update has already made likelier (r > 1) is pushed less, and one it made
+less likely (r < 1) more. Soft dual clipping (c = 3) bounds both sides without cutting the gradient: where
+the weight would pass c (A >= 0: 1/p > c; A < 0: max(r, 1 - eps_low) > c), loss_t = -A c logp_t, so
+d/dlogp = -A c. Archer2.0 also widens the clip ranges (0.4) for its top-20% entropy tokens; that is its
+earlier entropy-aware clipping, not the flip, and is not done here (one eps_low / eps_high for all tokens).
+
+The kernel (:func:`policy_loss`) takes per-answer advantages and computes the policy term for the four
 ratios, RATIO a constexpr: 0 token ratios (PPO/GRPO/DAPO), 1 sequence ratio (GSPO), 2 no ratio (GPG),
-writing each row's loss and every token's gradient in one pass. The BROKEN constexpr's two values are the bugs the
-tests must catch: 1 drops GSPO's 1/|o_i| exponent, 2 widens the lower clip bound with eps_high (clip-higher
-applied to negative advantages).
+3 token ratios flipped where A >= 0 (ASPO), writing each row's loss and every token's gradient in one pass.
+The BROKEN constexpr's values are the bugs the tests must catch: 1 drops GSPO's 1/|o_i| exponent, 2 widens
+the lower clip bound with eps_high (clip-higher applied to negative advantages), 3 flips the ratio of
+negative-advantage tokens too, 4 drops ASPO's stop-gradient (the flipped ratio's own derivative, +A/r, then
+pushes a positive token down).
 
 ``python -m kernels.rl.dapo`` trains the SFT checkpoint once per arm (GRPO baseline, each DAPO change
-alone, GSPO, GPG) and writes models/rl/dapo/<arm>/{log.csv, metrics.json}.
+alone, GSPO, GPG, ASPO) and writes models/rl/dapo/<arm>/{log.csv, metrics.json}.
 """
 from __future__ import annotations
 
@@ -57,8 +73,10 @@ from kernels.rl import sft, task
 from kernels.rl.grpo import aggregation_weights, group_advantages
 from kernels.rl.ppo import kl_estimate_ref
 
-RATIOS = {"token": 0, "sequence": 1, "none": 2}
-BROKEN = {None: 0, "no_length_exponent": 1, "clip_higher_on_negative": 2}
+RATIOS = {"token": 0, "sequence": 1, "none": 2, "aspo": 3}
+BROKEN = {None: 0, "no_length_exponent": 1, "clip_higher_on_negative": 2, "flip_on_negative": 3,
+          "no_stop_gradient": 4}
+DUAL_CLIP = 3.0            # ASPO's soft dual-clip bound c (Archer2.0's positive_/negative_clip_ratio_c)
 TILE = 2048                # elements per program: BLOCK_B rows x BLOCK_T tokens
 L_CACHE = 2                # the soft zone of the overlong shaping, in tokens
 L_MAX = task.MAX_ANSWER + L_CACHE   # the generation budget of every arm: the answer's 4 tokens + the soft zone
@@ -100,11 +118,13 @@ def gpg_advantages_ref(rewards: torch.Tensor, group_size: int, f_norm: float = 1
 
 # ---------------------------------------------------------------- the loss: reference
 
-def policy_loss_ref(logp, old_logp, advantages, weights, mask, *, ratio="token", eps_low=0.2, eps_high=0.28):
+def policy_loss_ref(logp, old_logp, advantages, weights, mask, *, ratio="token", eps_low=0.2, eps_high=0.28,
+                    dual_clip=DUAL_CLIP):
     """The policy term in PyTorch (autograd does the gradients).
 
     logp, old_logp, weights, mask: (B, T); advantages: (B,) one per answer. Padding (mask 0) never
-    enters, whatever its values. ``ratio``: "token" (PPO/GRPO/DAPO), "sequence" (GSPO), "none" (GPG)."""
+    enters, whatever its values. ``ratio``: "token" (PPO/GRPO/DAPO), "sequence" (GSPO), "none" (GPG),
+    "aspo" (token ratios, flipped where A >= 0, soft dual clip ``dual_clip`` on both sides)."""
     if ratio not in RATIOS:
         raise ValueError(f"ratio must be one of {tuple(RATIOS)}, got {ratio!r}")
     m = mask > 0
@@ -117,6 +137,17 @@ def policy_loss_ref(logp, old_logp, advantages, weights, mask, *, ratio="token",
     if ratio == "token":
         r = torch.exp(torch.where(m, logp - old_logp, zero))                  # r_t = pi / pi_old
         pg = torch.maximum(-A * r, -A * r.clamp(lo, hi))
+        return torch.where(m, weights * pg, zero).sum()
+    if ratio == "aspo":
+        lp = torch.where(m, logp, zero)
+        r = torch.exp(torch.where(m, logp - old_logp, zero))                  # r_t = pi / pi_old
+        c = dual_clip
+        rn = r.clamp(min=lo)                                                   # A < 0: the PPO side, max(r, 1 - eps_low)
+        neg = torch.where(rn > c, -A * c * lp, -A * rn)                        # soft dual clip: value c, gradient -A c
+        p = r.clamp(max=hi)                                                    # A >= 0: p = min(r, 1 + eps_high)
+        flip = (p / p.detach()) / p.detach()                                   # value 1/p, d/dlogp = 1/r: sg where ASPO puts it
+        pos = torch.where(1.0 / p > c, -A * c * lp, -A * flip)                 # soft dual clip of the flipped weight
+        pg = torch.where(A < 0, neg, pos)
         return torch.where(m, weights * pg, zero).sum()
     n = m.sum(1).clamp_min(1)                                                  # |o_i|
     s = torch.exp(torch.where(m, logp - old_logp, zero).sum(1) / n)           # s_i = exp(mean_t log r_t)
@@ -131,7 +162,7 @@ def policy_loss_ref(logp, old_logp, advantages, weights, mask, *, ratio="token",
 def _policy_loss_kernel(
     logp_ptr, old_ptr, w_ptr, mask_ptr, adv_ptr,                  # (B, T) rows with strides; adv (B,)
     loss_ptr, clipped_ptr, dlogp_ptr,                             # (B,), (B,), (B, T) contiguous outputs
-    B, T, s_logp, s_old, s_w, s_mask, eps_low, eps_high,
+    B, T, s_logp, s_old, s_w, s_mask, eps_low, eps_high, dual_clip,
     BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, RATIO: tl.constexpr, BROKEN: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
@@ -194,6 +225,33 @@ def _policy_loss_kernel(
                 pg = tl.maximum(s1, s2)
                 d = tl.where(s1 >= s2, s1, 0.0)                  # the clipped term is constant in logp
                 clipped += tl.sum(tl.where(m & (s2 > s1), 1.0, 0.0), axis=1)
+            elif RATIO == 3:
+                od = tl.load(old_ptr + rows[:, None] * s_old + cols[None, :], mask=ok, other=0.0)
+                r = tl.exp(tl.where(m, lp - od, 0.0))            # r_t = pi / pi_old
+                lpz = tl.where(m, lp, 0.0)
+                A2 = a[:, None] + tl.zeros((BLOCK_B, BLOCK_T), tl.float32)
+                neg = A2 < 0
+                if BROKEN == 3:
+                    neg = A2 != A2                               # broken: the flip on negative advantages too
+                # A < 0: PPO's term, max(r, 1 - eps_low); soft dual clip above c (value c, gradient -A c)
+                rn = tl.maximum(r, lo)
+                n_dual = rn > dual_clip
+                pg_n = tl.where(n_dual, -A2 * dual_clip * lpz, -A2 * rn)
+                d_n = tl.where(n_dual, -A2 * dual_clip, tl.where(r >= lo, -A2 * r, 0.0))
+                # A >= 0: the flipped weight 1/p, p = min(r, 1 + eps_high); soft dual clip where 1/p > c
+                p = tl.minimum(r, hi)
+                inv = 1.0 / p
+                p_dual = inv > dual_clip
+                pg_p = tl.where(p_dual, -A2 * dual_clip * lpz, -A2 * inv)
+                if BROKEN == 4:
+                    d_flip = A2 * inv                            # broken: d(-A/r)/dlogp, no stop-gradient
+                else:
+                    d_flip = -A2 * inv                           # -A (p / sg p) / sg p: d/dlogp = -A / r
+                d_p = tl.where(p_dual, -A2 * dual_clip, tl.where(r <= hi, d_flip, 0.0))
+                pg = tl.where(neg, pg_n, pg_p)
+                d = tl.where(neg, d_n, d_p)
+                masked = tl.where(neg, r < lo, (A2 > 0) & (r > hi))   # hard-clipped tokens (A != 0): no gradient
+                clipped += tl.sum(tl.where(m & masked, 1.0, 0.0), axis=1)
             else:
                 pg = -a[:, None] * lp                            # GPG: -A log pi, no ratio, no clip
                 d = -a[:, None] + tl.zeros((BLOCK_B, BLOCK_T), tl.float32)
@@ -215,7 +273,7 @@ def _loss_args(t: dict, out: dict, B: int, T: int, opts: dict, broken: int):
     bb, bt = _blocks(B, T)
     args = (t["logp"], t["old"], t["w"], t["mask"], t["adv"], out["loss"], out["clipped"], out["dlogp"],
             B, T, t["logp"].stride(0), t["old"].stride(0), t["w"].stride(0), t["mask"].stride(0),
-            opts["eps_low"], opts["eps_high"])
+            opts["eps_low"], opts["eps_high"], opts.get("dual_clip", DUAL_CLIP))
     return (triton.cdiv(B, bb),), args, dict(BLOCK_B=bb, BLOCK_T=bt, RATIO=RATIOS[opts["ratio"]], BROKEN=broken,
                                              num_warps=4)
 
@@ -244,7 +302,7 @@ def aot_job(ratio: str = "token", prompts: int = 512, group_size: int = 16, toke
     a = torch.empty(B, dtype=torch.float32, device="meta")                    # (B,) advantages, row outputs
     t = {"logp": x, "old": x, "w": x, "mask": x, "adv": a}
     grid, args, kwargs = _loss_args(t, {"loss": a, "clipped": a, "dlogp": x}, B, tokens,
-                                    {"eps_low": 0.2, "eps_high": 0.28, "ratio": ratio}, 0)
+                                    {"eps_low": 0.2, "eps_high": 0.28, "ratio": ratio, "dual_clip": DUAL_CLIP}, 0)
     return ki.launch_job(_policy_loss_kernel, *args, grid=grid, **kwargs)
 
 
@@ -264,10 +322,12 @@ class _PolicyLoss(torch.autograd.Function):
 
 
 def policy_loss(logp, old_logp, advantages, weights, mask, *, ratio="token", eps_low=0.2, eps_high=0.28,
-                broken=None, return_stats=False):
+                dual_clip=None, broken=None, return_stats=False):
     """:func:`policy_loss_ref` as a Triton kernel, differentiable in ``logp``. (B, T) inputs may be row
-    views (last-dimension stride 1); ``broken`` is one of the deliberately wrong variants in BROKEN.
-    ``return_stats`` adds {"clip_fraction"}: the share of real tokens whose term was clipped."""
+    views (last-dimension stride 1); ``broken`` is one of the deliberately wrong variants in BROKEN;
+    ``dual_clip`` (ASPO only; default DUAL_CLIP) is the soft dual-clip bound c > 1.
+    ``return_stats`` adds {"clip_fraction"}: the share of real tokens whose term was clipped (for ASPO:
+    hard-clipped, gradient 0; dual-clipped tokens keep their gradient and are not counted)."""
     name = "policy_loss"
     if ratio not in RATIOS:
         raise ValueError(f"{name}: ratio must be one of {tuple(RATIOS)}, got {ratio!r}")
@@ -275,6 +335,11 @@ def policy_loss(logp, old_logp, advantages, weights, mask, *, ratio="token", eps
         raise ValueError(f"{name}: broken must be one of {tuple(BROKEN)}, got {broken!r}")
     if not (0 <= eps_low < 1) or eps_high < 0:
         raise ValueError(f"{name}: eps_low must be in [0, 1) and eps_high >= 0, got {eps_low}, {eps_high}")
+    if dual_clip is not None and ratio != "aspo":
+        raise ValueError(f"{name}: dual_clip applies to ratio='aspo' only, got ratio={ratio!r}")
+    dual_clip = DUAL_CLIP if dual_clip is None else float(dual_clip)
+    if not dual_clip > 1.0:
+        raise ValueError(f"{name}: dual_clip must be > 1, got {dual_clip}")
     if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
         raise ValueError(f"{name}: logp must be a (B, T) tensor")
     B, T = logp.shape
@@ -291,7 +356,7 @@ def policy_loss(logp, old_logp, advantages, weights, mask, *, ratio="token", eps
     if not isinstance(advantages, torch.Tensor) or advantages.shape != (B,) or not advantages.dtype.is_floating_point:
         raise ValueError(f"{name}: advantages must be a floating-point (B,) = ({B},) tensor, one per answer")
     t["adv"] = advantages.detach().float().contiguous()
-    opts = {"eps_low": float(eps_low), "eps_high": float(eps_high), "ratio": ratio}
+    opts = {"eps_low": float(eps_low), "eps_high": float(eps_high), "ratio": ratio, "dual_clip": dual_clip}
     loss = _PolicyLoss.apply(logp, t, opts, BROKEN[broken])
     if not return_stats:
         return loss
@@ -310,6 +375,7 @@ ARMS = {
     "dynamic_sampling": {"dynamic": True},
     "overlong_shaping": {"overlong": True},
     "gspo": {"ratio": "sequence", "eps_low": 3e-4, "eps_high": 4e-4},
+    "aspo": {"ratio": "aspo"},
     "gpg": {"ratio": "none", "aggregation": "token", "beta": 0.0, "advantage": "gpg"},
     # a diagnostic, not a DAPO change: GPG with one update per batch (strictly on-policy, pi = pi_old)
     "gpg_one_update": {"ratio": "none", "aggregation": "token", "beta": 0.0, "advantage": "gpg", "inner_steps": 1},
