@@ -225,7 +225,7 @@ def test_sm90_builds_at_real_size_do_not_spill():
 
 
 def test_committed_runs_reproduce_their_first_step():
-    for arm in ("gspo",):                               # the sequence-ratio kernel in a real step
+    for arm in ("gspo", "aspo"):                        # the sequence-ratio and ASPO kernels in a real step
         meta = json.loads((dapo.OUT_DIR / arm / "metrics.json").read_text())
         want = sft.read_log(dapo.OUT_DIR / arm / "log.csv")[0]
         threads = torch.get_num_threads()

@@ -40,8 +40,8 @@ sg() a stop-gradient (the paper's form is pi_old pi / sg(pi^2)):
 so a positive token that the update has already made likelier (r > 1) is pushed less, and one it made
 less likely (r < 1) more. Soft dual clipping (c = 3) bounds both sides without cutting the gradient: where
 the weight would pass c (A >= 0: 1/p > c; A < 0: max(r, 1 - eps_low) > c), loss_t = -A c logp_t, so
-d/dlogp = -A c. Archer2.0 also widens the clip ranges (0.4) for its top-20% entropy tokens; that is its
-earlier entropy-aware clipping, not the flip, and is not done here (one eps_low / eps_high for all tokens).
+d/dlogp = -A c. Archer2.0 also widens the clip ranges (0.4) for each answer's top-20% entropy tokens; that
+is a separate entropy-aware clipping, not the flip, and is not done here (one eps_low / eps_high for all tokens).
 
 The kernel (:func:`policy_loss`) takes per-answer advantages and computes the policy term for the four
 ratios, RATIO a constexpr: 0 token ratios (PPO/GRPO/DAPO), 1 sequence ratio (GSPO), 2 no ratio (GPG),
