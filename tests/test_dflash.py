@@ -121,6 +121,10 @@ def test_block_speculative_equals_plain_greedy(model, drafter):
         assert fw == 1 + len(acc) and dr <= len(acc) and sum(a + 1 for a in acc) == 39
         out2, fw2, dr2, acc2 = DF.ar_draft_greedy(model, DF_truncated(model), p, 40, drafter.block - 1)
         assert out2 == plain and fw2 == 1 + len(acc2) and sum(a + 1 for a in acc2) == 39
+    with pytest.raises(ValueError, match="exceed block_size"):
+        DF.dflash_greedy(model, drafter, [1] * 100, 40)
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        DF.dflash_greedy(model, drafter, [], 4)
 
 
 def DF_truncated(model):

@@ -288,8 +288,8 @@ def dflash_greedy(model: GPT, drafter: BlockDrafter, prompt: list[int], max_new_
     [last, drafts] gives its argmax at every slot; keep drafts while they equal it, then the target's
     own token. The target's hidden states of the kept positions extend the drafter's context."""
     K = drafter.block
-    if max_new_tokens < 1 or len(prompt) < 2:
-        raise ValueError(f"dflash_greedy: need max_new_tokens >= 1 and a prompt of >= 2 tokens")
+    if max_new_tokens < 1 or len(prompt) < 1:
+        raise ValueError(f"dflash_greedy: need max_new_tokens >= 1 and a non-empty prompt, got {max_new_tokens}, {len(prompt)}")
     if len(prompt) + max_new_tokens + K > model.config.block_size:
         raise ValueError(f"dflash_greedy: {len(prompt)} + {max_new_tokens} + K={K} exceed block_size")
     E = model.wte.weight
@@ -435,17 +435,6 @@ def load_drafter(directory: Path | str = MODEL_DIR) -> BlockDrafter:
 
 def load_metrics(directory: Path | str = MODEL_DIR) -> dict:
     return json.loads((Path(directory) / "metrics.json").read_text())
-
-
-def evaluate(model: GPT, drafter: BlockDrafter, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """Exact counts on the prompts: tokens, target forwards, drafter forwards, accepted per step."""
-    tok = fw = dr = 0
-    acc: list[int] = []
-    for p in prompts:
-        out, f, d, a = dflash_greedy(model, drafter, p, max_new_tokens)
-        tok += len(out) - len(p)
-        fw, dr, acc = fw + f, dr + d, acc + a
-    return {"tokens": tok, "target_forwards": fw, "drafter_forwards": dr, "accepted": acc}
 
 
 # ---------------------------------------------------------------- compile facts
