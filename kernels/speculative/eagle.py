@@ -103,85 +103,85 @@ class EagleDraft(nn.Module):
         return self.finish(u, o)
 
 
-def draft_losses(draft: EagleDraft, f: torch.Tensor, x: torch.Tensor, E: torch.Tensor,
-                 ttt_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Losses on windows x (B, T) with target features f (B, T, C). Step j (0-based) at position t
-    predicts feature f_{t+1+j} and token x_{t+2+j}; step 0 reads the target's f_t, step j > 0 the
-    draft's own g of step j - 1 (training-time test). Returns (L_reg (J,), L_cls (J,))."""
+def ttt_features(draft: EagleDraft, f: torch.Tensor, x: torch.Tensor, E: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+    """The draft unrolled ``steps`` times over windows x (B, T) with target features f (B, T, C).
+    Step 0 at position t reads u_t = fc[f_t ; E x_{t+1}] (the target's feature) with causal attention;
+    step j > 0 at position t + j reads fc[g^{(j-1)}_t ; E x_{t+1+j}], the draft's OWN feature of the
+    step before (training-time test), its query attending to the step-0 keys at positions <= t and
+    to its own chain's keys of steps 1..j: what the draft sees when it drafts its (j+1)-th token
+    after the target's f_t. Returns [g^{(0)} (B, T-1, C), g^{(1)} (B, T-2, C), ...], g^{(j)}_t ~ f_{t+1+j}."""
     B, T, C = f.shape
     pos = torch.arange(T)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     u = draft.fuse(f[:, : T - 1], E[x[:, 1:]])                    # (B, T-1, C)  u_t = fc[f_t ; E x_{t+1}]
     q, k0, v0 = draft.qkv(u, pos[: T - 1])
-    keys, vals = [k0], [v0]                                       # step 0: causal over the real features
-    reg, cls = [], []
-    g = None
-    for j in range(ttt_steps):
+    D = q.shape[-1]
+    keys, vals, out = [k0], [v0], []
+    for j in range(steps):
         n = T - 1 - j                                             # positions t = 0..n-1 still have inputs
         if j == 0:
-            s = (q @ k0.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            o = torch.softmax(s.masked_fill(~causal[: T - 1, : T - 1], float("-inf")), -1) @ v0
+            s = (q @ k0.transpose(-1, -2)) / math.sqrt(D)
+            o = torch.softmax(s.masked_fill(~causal[:n, :n], float("-inf")), -1) @ v0
             uj = u
         else:
-            uj = draft.fuse(g[:, : n], E[x[:, 1 + j: 1 + j + n]])  # fc[g_{t} ; E x_{t+1+j}] at position t + j
+            uj = draft.fuse(out[-1][:, :n], E[x[:, 1 + j: 1 + j + n]])   # fc[g_t ; E x_{t+1+j}] at position t + j
             q, kj, vj = draft.qkv(uj, pos[j: j + n])
             keys.append(kj)
             vals.append(vj)
-            D = q.shape[-1]
-            s0 = (q @ keys[0][:, :, : n].transpose(-1, -2)) / math.sqrt(D)      # step-0 keys, s <= t
-            s0 = s0.masked_fill(~causal[:n, :n], float("-inf"))
-            sd = [(q * kk[:, :, : n]).sum(-1, keepdim=True) / math.sqrt(D) for kk in keys[1:]]   # own chain
-            p = torch.softmax(torch.cat([s0] + sd, -1), -1)
+            s0 = ((q @ keys[0][:, :, :n].transpose(-1, -2)) / math.sqrt(D)).masked_fill(~causal[:n, :n], float("-inf"))
+            sd = [(q * kk[:, :, :n]).sum(-1, keepdim=True) / math.sqrt(D) for kk in keys[1:]]   # own chain: diagonal
+            p = torch.softmax(torch.cat([s0] + sd, -1), -1)       # (B, H, n, n + j)
             o = p[..., :n] @ vals[0][:, :, :n]
             for i, vv in enumerate(vals[1:]):
                 o = o + p[..., n + i: n + i + 1] * vv[:, :, :n]
-        g = draft.finish(uj, o)                                   # (B, n, C) ~ f_{t+1+j}
-        m = n - 1                                                 # the token target x_{t+2+j} exists for t < n - 1
+        out.append(draft.finish(uj, o))                           # (B, n, C)
+    return out
+
+
+def draft_losses(draft: EagleDraft, f: torch.Tensor, x: torch.Tensor, E: torch.Tensor,
+                 ttt_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step j: L_reg = smoothL1(g^{(j)}_t, f_{t+1+j}), L_cls = CE(g^{(j)}_t E^T, x_{t+2+j}).
+    Returns (L_reg (J,), L_cls (J,))."""
+    reg, cls = [], []
+    for j, g in enumerate(ttt_features(draft, f, x, E, ttt_steps)):
+        m = g.shape[1] - 1                                        # the token target x_{t+2+j} exists for t < m
         reg.append(F.smooth_l1_loss(g[:, :m], f[:, 1 + j: 1 + j + m]))
-        logits = g[:, :m] @ E.T
+        logits = g[:, :m] @ E.T                                   # (B, m, V)
         cls.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2 + j: 2 + j + m].reshape(-1)))
     return torch.stack(reg), torch.stack(cls)
 
 
 @torch.no_grad()
 def chain_accuracy(draft: EagleDraft, f: torch.Tensor, x: torch.Tensor, E: torch.Tensor, depth: int = 4):
-    """(depth,) counts and (depth,) totals: how often step j's top-1 equals x_{t+2+j} given that steps
-    0..j-1 were all right (the chance a greedy chain's j-th drafted token is accepted once the ones
-    before it were). Step j reads the draft's own features, as at decoding time."""
-    B, T, C = f.shape
+    """(hits, totals), lists of length depth: how often step j's top-1 is x_{t+2+j} given that steps
+    0..j-1 were all right (the chance a greedy chain's (j+1)-th drafted token is accepted once the
+    ones before it were). Scored on the positions t < T - 1 - depth that every step reaches."""
+    B, T, _ = f.shape
+    L = T - 1 - depth
     alive, saved = None, []
-    pos = torch.arange(T)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    u = draft.fuse(f[:, : T - 1], E[x[:, 1:]])
-    q, k0, v0 = draft.qkv(u, pos[: T - 1])
-    keys, vals = [k0], [v0]
-    g = None
-    L = T - 1 - depth                                             # positions scored at every depth
-    for j in range(depth):
-        n = T - 1 - j
-        if j == 0:
-            s = (q @ k0.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            o = torch.softmax(s.masked_fill(~causal[: T - 1, : T - 1], float("-inf")), -1) @ v0
-            uj = u
-        else:
-            uj = draft.fuse(g[:, :n], E[x[:, 1 + j: 1 + j + n]])
-            q, kj, vj = draft.qkv(uj, pos[j: j + n])
-            keys.append(kj)
-            vals.append(vj)
-            D = q.shape[-1]
-            s0 = ((q @ keys[0][:, :, :n].transpose(-1, -2)) / math.sqrt(D)).masked_fill(~causal[:n, :n], float("-inf"))
-            sd = [(q * kk[:, :, :n]).sum(-1, keepdim=True) / math.sqrt(D) for kk in keys[1:]]
-            p = torch.softmax(torch.cat([s0] + sd, -1), -1)
-            o = p[..., :n] @ vals[0][:, :, :n]
-            for i, vv in enumerate(vals[1:]):
-                o = o + p[..., n + i: n + i + 1] * vv[:, :, :n]
-        g = draft.finish(uj, o)
+    for j, g in enumerate(ttt_features(draft, f, x, E, depth)):
         right = (g[:, :L] @ E.T).argmax(-1) == x[:, 2 + j: 2 + j + L]    # (B, L)
         alive = right if alive is None else alive & right
         saved.append(alive)
-    hits = [int(a.sum()) for a in saved]
-    totals = [B * L] + [int(a.sum()) for a in saved[:-1]]
-    return hits, totals
+    return [int(a.sum()) for a in saved], [B * L] + [int(a.sum()) for a in saved[:-1]]
+
+
+@torch.no_grad()
+def rank_accuracy(draft: EagleDraft, f: torch.Tensor, x: torch.Tensor, E: torch.Tensor, depth: int = 4,
+                  topk: int = 10) -> torch.Tensor:
+    """(depth, topk): entry [j, r] = the chance that the truth x_{t+2+j} is step j's r-th guess,
+    among the positions where steps 0..j-1 guessed right (top-1): the acceptance estimate a static
+    tree is built from (:func:`kernels.speculative.medusa.build_tree`)."""
+    B, T, _ = f.shape
+    L = T - 1 - depth
+    alive = torch.ones(B, L, dtype=torch.bool)
+    acc = torch.zeros(depth, topk, dtype=torch.float64)
+    for j, g in enumerate(ttt_features(draft, f, x, E, depth)):
+        top = (g[:, :L] @ E.T).topk(topk, -1).indices                     # (B, L, topk)
+        hit = top == x[:, 2 + j: 2 + j + L, None]
+        acc[j] = hit[alive].double().sum(0) / max(1, int(alive.sum()))
+        alive = alive & hit[..., 0]
+    return acc
 
 
 def target_features(model: GPT, x: torch.Tensor, chunk: int = 16) -> torch.Tensor:
