@@ -538,9 +538,24 @@ def launch_job(M: int = 10, k: int = 10, vocab: int = LLAMA3_VOCAB, *, target: s
     return ki.launch_job(_row_topk_kernel, *args, target=target, grid=grid, **kwargs)
 
 
+def select_job(n_children: int = 100, m: int = 10, k: int = 10, *, target: str = "sm90"):
+    """The GPU launch of :func:`tree_expand`'s global top-m over the M*k children (one program)."""
+    from kernels import inspect as ki
+
+    score = torch.empty(n_children, device="meta")
+    tok = torch.empty(n_children, dtype=torch.int32, device="meta")
+    rows = torch.empty(m, dtype=torch.int32, device="meta")
+    toks = torch.empty(m, dtype=torch.int32, device="meta")
+    out = torch.empty(m, device="meta")
+    return ki.launch_job(_global_topm_kernel, score, tok, rows, toks, out, n_children, m, target=target, grid=(1,),
+                         K=k, BLOCK_N=max(16, triton.next_power_of_2(n_children)))
+
+
 def compile_jobs() -> dict:
-    """Llama 3's vocabulary (128256), 10 frontier nodes with 10 children each, and 64 x 10."""
-    return {"V 128256, 10 nodes, top-10": launch_job(10, 10), "V 128256, 64 nodes, top-10": launch_job(64, 10)}
+    """Llama 3's vocabulary (128256), 10 frontier nodes with 10 children each, and 64 x 10; the
+    global top-10 of 100 children."""
+    return {"V 128256, 10 nodes, top-10": launch_job(10, 10), "V 128256, 64 nodes, top-10": launch_job(64, 10),
+            "top-10 of 100 children": select_job(100, 10, 10)}
 
 
 # ---------------------------------------------------------------- the committed run
