@@ -14,7 +14,7 @@ test (EAGLE-3), on the tiny GPT.
   (``return_hidden=True``), so the LM head is E alone; the paper uses the second-to-top-layer
   feature and the target's own norm + LM head.
 * Training (``python -m kernels.speculative.eagle``): feature regression (smooth L1) plus token
-  cross-entropy, L = L_reg + w_cls L_cls with w_cls = 0.1 as in EAGLE-1, on the frozen target's
+  cross-entropy, L = L_reg + w_cls L_cls with w_cls = 0.1 as in the authors' training script, on the frozen target's
   features over its training text. ``ttt_steps > 1`` switches on EAGLE-3's *training-time test*:
   step j > 0 feeds the draft its OWN predicted features of step j - 1 (not the target's), the query
   of step j at position t attending to the step-0 keys at positions <= t and to its own chain's keys
@@ -386,7 +386,8 @@ def draft_run(draft: EagleDraft, E: torch.Tensor, feats: torch.Tensor, toks: tor
 
 
 def static_tree(depth: int, width: list[int] | None = None) -> Tree:
-    """A fixed tree of ranks: a chain when width is None, else width[d] children for each node of depth d+1... (full)."""
+    """A fixed tree of ranks: a chain of ``depth`` top-1 guesses when width is None, else the full tree
+    in which every node of depth d has width[d] children (ranks 0..width[d]-1)."""
     if width is None:
         return Tree(((),) + tuple((0,) * d for d in range(1, depth + 1)))
     paths = [()]
