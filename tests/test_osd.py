@@ -100,6 +100,25 @@ def test_kernel_loss_trains_like_the_reference():
 
 # ---------------------------------------------------------------- the online loop, a short slice
 
+def test_buffer_rows_are_the_target_at_the_emitting_positions():
+    """Each buffered logits row is the target's at the position that emitted that answer token: its
+    argmax is the greedy token, and the draft's logits are read at the same positions."""
+    from kernels.rl import task
+    from kernels.rl.sft import load_sft
+
+    target = load_sft()
+    prompts = task.prompts(task.split_pairs()[1][:6]).tolist()
+    r = O.serve(target, prompts, record=True)
+    for tokens, logits in r["buffer"]:
+        assert logits.argmax(-1).tolist() == tokens[task.PROMPT_LEN:]
+    ids, t_logits, mask = O.pack(r["buffer"], task.PROMPT_LEN)
+    with torch.no_grad():
+        own = O.draft_logits_at(target, ids, task.PROMPT_LEN, t_logits.shape[1])   # the target as its own draft
+    assert float((own[mask] - t_logits[mask]).abs().max()) < 1e-3
+    alpha, kl = O.sampled_alpha(target, r["buffer"], task.PROMPT_LEN)
+    assert alpha > 0.999 and abs(kl) < 1e-4
+
+
 def test_online_slice_keeps_greedy_output_and_raises_acceptance():
     log = O.online_run(rounds=1, per_round=16, held_out=8, steps=40, progress=False)
     before, after = log["curve"]
