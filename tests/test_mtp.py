@@ -155,5 +155,5 @@ def test_compiles_without_spills_at_deepseek_v3_vocab(aot):
         assert b["sm90"].spills == 0 and b["sm90"].metadata["stack_bytes"] == 0, label
         assert jobs[label].programs == 2 * 4 * 4096                 # one program per (depth, row)
         runtime_args = [n for n, kind in jobs[label].signature.items() if kind != "constexpr"]
-        # k * s_lk = k * 4 * 4096 * 129280 passes 2**31: the depth offset must be a 64-bit product
+        # the logits hold 2 * 4 * 4096 * 129280 = 4.2e9 elements: the depth offset k * s_lk must be a 64-bit product
         assert ki.param_product_widths(b["sm90"], runtime_args.index("s_lk")) == {64}, label

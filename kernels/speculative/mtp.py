@@ -209,7 +209,7 @@ def _mtp_ce_fwd_kernel(logits_ptr, tokens_ptr, weights_ptr, loss_ptr, lse_ptr,
     """One program per row (k, b, t): lse = logsumexp_v logits, loss_row = (w_k / n_k)(lse - logits[target]).
 
     The target is tokens[b, t + k + 1] (BROKEN: tokens[b, t + k], the previous depth's target);
-    rows without a target store 0. Offsets in int64: k * s_lk passes 2**31 at a real vocabulary."""
+    rows without a target store 0. Offsets in int64: the logits pass 2**31 elements at a real size."""
     row = tl.program_id(0)
     t = row % T
     b = (row // T) % B
@@ -428,6 +428,9 @@ def load_run(directory: Path | str = MODEL_DIR) -> tuple[GPT, MTPModule]:
 ARMS = {
     # name: (kind, extra depth, weights of [main, extra...])
     "next-token": ("none", 0, [1.0]),
+    # the same plain GPT trained 4/3 as many steps: about the FLOPs of the MTP arms, whose extra
+    # block adds a fourth to a 3-block model's work per step (a compute-matched baseline)
+    "next-token 4/3 steps": ("none", 0, [1.0]),
     "parallel n=2": ("parallel", 1, [1.0, 1.0]),          # Gloeckle et al.: the n head losses summed
     "sequential D=1": ("sequential", 1, [1.0, 0.3]),      # DeepSeek-V3: lambda = 0.3 (its first phase)
 }
@@ -520,7 +523,7 @@ def train_arm(name: str, *, steps: int, batch: int, config: GPTConfig = RUN_CONF
     model.eval()
     v = evaluate_depths(model, extra_mod, val)
     result = {"arm": name, "kind": kind, "weights": weights, "val_next": v[0],
-              "val_extra": v[1] if len(v) > 1 else None, "train_seconds": round(time.perf_counter() - start, 1),
+              "val_extra": v[1] if len(v) > 1 else None, "steps": steps, "train_seconds": round(time.perf_counter() - start, 1),
               "parameters_main": sum(p.numel() for p in model.parameters()),
               "parameters_extra": sum(p.numel() for p in extra_mod.parameters()) if extra_mod is not None else 0,
               "log": log}
@@ -538,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in ARMS:
-        model, extra_mod, res = train_arm(name, steps=args.steps, batch=args.batch)
+        steps = args.steps * 4 // 3 if name == "next-token 4/3 steps" else args.steps
+        model, extra_mod, res = train_arm(name, steps=steps, batch=args.batch)
         if ARMS[name][0] == "sequential":      # the draft for the notebook: main model + MTP module
             torch.save({"model": model.state_dict(), "mtp": extra_mod.state_dict()}, args.out / "sequential.pt")
         results.append(res)
