@@ -57,7 +57,6 @@ alone, GSPO, GPG, ASPO) and writes models/rl/dapo/<arm>/{log.csv, metrics.json}.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -412,13 +411,10 @@ def train_arm(arm: str, out_dir: Path | None, *, steps: int = 30, prompts_per_st
     """One arm from the SFT checkpoint; same seed, prompts and budget as every other arm. Returns {"log", "model"}."""
     cfg = dict(BASE, **ARMS[arm])
     inner_steps = cfg.pop("inner_steps", inner_steps)
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    policy = sft.load_sft().train()
-    reference = copy.deepcopy(policy).eval()
+    policy, reference = sft.policy_and_reference(seed, threads)
     train_pairs, held_out = task.split_pairs()
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = sft.adamw(policy.parameters(), lr)
     log = []
     start = time.perf_counter()
     bar = tqdm(range(1, (stop_after or steps) + 1), desc=arm, disable=not progress)

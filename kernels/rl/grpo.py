@@ -20,7 +20,6 @@ and writes models/rl/grpo/{log.csv, metrics.json}.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -147,13 +146,10 @@ def train_grpo(out_dir: Path | None, *, steps: int = 50, prompts_per_step: int =
     """GRPO from the SFT checkpoint; each step samples prompts_per_step x group_size completions with
     the current policy (pi_old), then takes ``inner_steps`` AdamW steps on them. Returns {"log", "model"};
     ``stop_after`` ends the run early (a few steps to check a log)."""
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    policy = sft.load_sft().train()
-    reference = copy.deepcopy(policy).eval()
+    policy, reference = sft.policy_and_reference(seed, threads)
     train_pairs, held_out = task.split_pairs()
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = sft.adamw(policy.parameters(), lr)
     log = [{"step": 0, "reward": "", "kl": "", "clip_fraction": "", "held_out_accuracy": task.accuracy(policy, held_out)}]
     start = time.perf_counter()
     bar = tqdm(range(1, (stop_after or steps) + 1), desc="grpo", disable=not progress)

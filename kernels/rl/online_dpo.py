@@ -25,7 +25,6 @@ and writes models/rl/online-dpo/.
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -228,16 +227,13 @@ def train_arm(arm: str, old: dict, *, steps: int = 120, batch: int = 32, prompts
 
     if arm not in ARMS:
         raise ValueError(f"train_arm: arm must be one of {ARMS}, got {arm!r}")
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)
-    policy = sft.load_sft().train()
-    reference = copy.deepcopy(policy).eval()
+    policy, reference = sft.policy_and_reference(seed, 1)
     train_pairs, held_out = task.split_pairs()
     old_probe = {k: v[:drift_pairs] for k, v in old.items()}
     fresh_probe = train_pairs[-drift_pairs:]
     gen = torch.Generator().manual_seed(seed)
     probe_gen = lambda: torch.Generator().manual_seed(seed + 1)             # noqa: E731  same probe samples each eval
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = sft.adamw(policy.parameters(), lr)
     log = [{"step": 0, "loss": "", "pairs": "", "ties": "", "held_out_accuracy": task.accuracy(policy, held_out),
             **drift(policy, reference, old_probe, fresh_probe, probe_gen(), beta)}]
     for step in tqdm(range(1, (stop_after or steps) + 1), desc=arm, disable=not progress):

@@ -13,7 +13,6 @@ detached: a linear critic on the policy's features, so the value loss does not m
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -47,17 +46,13 @@ def train_ppo(out_dir: Path | None, *, steps: int = 50, prompts_per_step: int = 
               lr: float = 1e-4, value_lr: float = 1e-3, kl_coef: float = 0.02, clip_eps: float = 0.2,
               gamma: float = 1.0, lam: float = 0.95, eval_every: int = 10, seed: int = 0, progress: bool = True,
               stop_after: int | None = None) -> dict:
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)
-    policy = sft.load_sft().train()
-    reference = copy.deepcopy(policy).eval()
+    policy, reference = sft.policy_and_reference(seed, 1)
     head = nn.Linear(policy.config.d_model, 1)
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     train_pairs, held_out = task.split_pairs()
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([{"params": policy.parameters(), "lr": lr}, {"params": head.parameters(), "lr": value_lr}],
-                            betas=(0.9, 0.95), weight_decay=0.0)
+    opt = sft.adamw([{"params": policy.parameters(), "lr": lr}, {"params": head.parameters(), "lr": value_lr}], lr)
     log = [{"step": 0, "reward": "", "kl": "", "clip_fraction": "", "value_error": "",
             "held_out_accuracy": task.accuracy(policy, held_out)}]
     start = time.perf_counter()

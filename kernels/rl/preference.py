@@ -208,22 +208,18 @@ RUN_SETTINGS = {"dpo": {"beta": 0.1}, "ipo": {"beta": 0.1}, "simpo": {"beta": 2.
 def train_preference(kind: str, data: dict, *, steps: int = 60, batch: int = 32, lr: float = 1e-4, seed: int = 0,
                      eval_every: int = 20, progress: bool = True, stop_after: int | None = None) -> dict:
     """Train the SFT checkpoint on fixed preference pairs with ``kind``'s loss (RUN_SETTINGS); returns {"log"}."""
-    import copy
 
     from tqdm import tqdm
 
     from kernels.rl import sft, task
 
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)
-    policy = sft.load_sft().train()
-    reference = copy.deepcopy(policy).eval()
+    policy, reference = sft.policy_and_reference(seed, 1)
     _, held_out = task.split_pairs()
     with torch.no_grad():
         qc_all, lc_all = sequence_logprobs(reference, data["chosen"], data["pairs"])
         qr_all, lr_all = sequence_logprobs(reference, data["rejected"], data["pairs"])
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = sft.adamw(policy.parameters(), lr)
     log = [{"step": 0, "loss": "", "chosen_logratio": 0.0, "rejected_logratio": 0.0, "pair_accuracy": "",
             "held_out_accuracy": task.accuracy(policy, held_out)}]
     for step in tqdm(range(1, (stop_after or steps) + 1), desc=kind, disable=not progress):

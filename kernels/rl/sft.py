@@ -17,6 +17,7 @@ without the loss mask into models/rl/sft-nomask/ (log and metrics only).
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import math
@@ -187,6 +188,21 @@ def load_sft(directory: Path = OUT_DIR / "sft") -> GPT:
     model = load_pretrained()
     model.load_state_dict({k: v.float() for k, v in torch.load(Path(directory) / "model.pt").items()})
     return model.eval()
+
+
+def policy_and_reference(seed: int, threads: int = 1) -> tuple[GPT, GPT]:
+    """The start of every run after SFT (PPO, GRPO, DAPO, DPO, online DPO): seed torch, set the threads,
+    and load the SFT checkpoint twice: the policy to train (train mode) and its frozen copy, the
+    reference of the KL penalty and of the preference losses."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    policy = load_sft().train()
+    return policy, copy.deepcopy(policy).eval()
+
+
+def adamw(params, lr: float) -> torch.optim.AdamW:
+    """The optimiser of every run after SFT: AdamW, betas (0.9, 0.95), no weight decay."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def read_log(path: Path) -> list[dict]:
