@@ -21,9 +21,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+
+from kernels import aot_cache
 
 CUDA_DIR = Path(__file__).parent / "cuda"
 
@@ -417,38 +421,99 @@ def _decode_constexpr(value):
 
 
 def compile_triton_many(jobs: list[TritonJob], *, archs=("sm90",), errors: str = "raise") -> list[dict[str, Build]]:
-    """Compile every job for every architecture in one fresh process (one interpreter start, not
-    one per kernel): ``[{"sm90": Build, ...} for each job]``. A spill table over many kernels and
-    widths costs seconds this way.
+    """Compile every job for every architecture: ``[{"sm90": Build, ...} for each job]``.
+
+    Builds come from the run's shared cache (:mod:`kernels.aot_cache`, keyed by the job, the
+    architecture, the toolchain and the source of the kernel's module and everything it imports)
+    where present; the rest compile in one fresh process (one interpreter start, not one per
+    kernel), so a spill table over many kernels and widths costs seconds, and the same build asked
+    for again by a notebook, its second CPU configuration, a test or the compiler page costs nothing.
 
     ``errors="keep"``: a job that does not compile for one architecture (fp8 ``tl.dot`` on sm80, say)
     gets a :class:`CompileError` in place of its Build there, and the others still compile."""
     if errors not in ("raise", "keep"):
         raise ValueError(f"compile_triton_many: errors must be 'raise' or 'keep', got {errors!r}")
     targets = [parse_arch(a) for a in archs]
-    specs = [dict(job.spec(), archs=[t.capability for t in targets], keep_errors=errors == "keep") for job in jobs]
+    specs = [job.spec() for job in jobs]
+    keys = [[triton_build_key(spec, t) for t in targets] for spec in specs]
+    entries = [[aot_cache.load(k) for k in row] for row in keys]
+    for spec, row in zip(specs, entries):
+        for target, entry in zip(targets, row):
+            if entry is not None:
+                aot_cache.record("triton", f"{spec['module']}.{spec['name']}", target.name, 0.0, hit=True)
+    missing = {i: [j for j, e in enumerate(row) if e is None] for i, row in enumerate(entries)}
+    missing = {i: js for i, js in missing.items() if js}
+    if missing:
+        compiled = _compile_in_subprocess([dict(specs[i], archs=[targets[j].capability for j in js])
+                                           for i, js in missing.items()])
+        for (i, js), outs in zip(missing.items(), compiled):
+            for j, out in zip(js, outs):
+                entries[i][j] = _entry_of(out)
+                aot_cache.store(keys[i][j], entries[i][j])
+                aot_cache.record("triton", f"{specs[i]['module']}.{specs[i]['name']}", targets[j].name,
+                                 out.get("seconds", 0.0), hit=False)
+    results = []
+    for row in entries:
+        builds = {}
+        for target, entry in zip(targets, row):
+            if "error" in entry:
+                if errors == "raise":
+                    raise CompileError(entry["error"])
+                builds[target.name] = CompileError(entry["error"])
+            else:
+                builds[target.name] = Build(target, entry["ptx"], entry["sass"], entry["ttgir"], entry["metadata"])
+        results.append(builds)
+    return results
+
+
+def triton_build_key(spec: dict, target: Arch) -> str:
+    """The cache entry of one job on one architecture: the job, the target, and the source digest of
+    the kernel's module and of every module that supplies a jitted constexpr (a helper passed in)."""
+    modules = {spec["module"]} | {v["jit_function"].split(":")[0] for v in spec["constexprs"].values()
+                                  if isinstance(v, dict) and "jit_function" in v}
+    return aot_cache.key({"kind": "triton", "spec": spec, "capability": target.capability, "toolchain": toolchain(),
+                          "sources": {m: aot_cache.source_digest(m) for m in sorted(modules)}})
+
+
+@lru_cache(maxsize=1)
+def toolchain() -> dict:
+    """What a build depends on besides its source: Triton's version and what ``--version`` prints for
+    ptxas, nvcc and cuobjdump (None where one is missing). No paths: a clone elsewhere on the same
+    toolchain shares the keys."""
+    import triton
+
+    found = {}
+    for name in ("cuobjdump", "nvcc", "ptxas"):
+        try:
+            found[name] = _run([str(tool(name)), "--version"], f"{name} --version").strip().splitlines()[-1]
+        except (ToolMissingError, CompileError, OSError):
+            found[name] = None
+    return {"triton": triton.__version__, **found}
+
+
+def _compile_in_subprocess(specs: list[dict]) -> list[list[dict]]:
+    """Run :func:`_compile_in_this_process` for each spec in one fresh interpreter (see
+    :func:`compile_triton_archs` for why fresh); a compile that fails comes back as ``{"error": ...}``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["KERNELS_COMPILE_ONLY"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.inspect"], input=json.dumps(specs), capture_output=True, text=True, env=env,
-        cwd=str(Path(__file__).resolve().parent.parent),
+        [sys.executable, "-m", "kernels.inspect"], input=json.dumps([dict(s, keep_errors=True) for s in specs]),
+        capture_output=True, text=True, env=env, cwd=str(Path(__file__).resolve().parent.parent),
     )
     if proc.returncode != 0:
         raise CompileError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-    results = []
-    for outs in json.loads(proc.stdout):
-        builds = {}
-        for target, out in zip(targets, outs):
-            if "error" in out:
-                builds[target.name] = CompileError(out["error"])
-                continue
-            sass, usage = disassemble(base64.b64decode(out["cubin"]))
-            regs = usage.get(out["metadata"]["name"], {})
-            meta = dict(out["metadata"], registers=regs.get("REG"), local_bytes=regs.get("LOCAL"),
-                        stack_bytes=regs.get("STACK"))  # spilled registers live in the stack frame
-            builds[target.name] = Build(target, out["ptx"], sass, out["ttgir"], meta)
-        results.append(builds)
-    return results
+    return json.loads(proc.stdout)
+
+
+def _entry_of(out: dict) -> dict:
+    """A compile's output as a cache entry: TTGIR, PTX, SASS and metadata with the register count."""
+    if "error" in out:
+        return {"error": out["error"]}
+    sass, usage = disassemble(base64.b64decode(out["cubin"]))
+    regs = usage.get(out["metadata"]["name"], {})
+    meta = dict(out["metadata"], registers=regs.get("REG"), local_bytes=regs.get("LOCAL"),
+                stack_bytes=regs.get("STACK"))  # spilled registers live in the stack frame
+    return {"ptx": out["ptx"], "sass": sass, "ttgir": out["ttgir"], "metadata": meta}
 
 
 def resource_table(entries: list[tuple[str, Build]]) -> str:
@@ -501,6 +566,7 @@ def _compile_in_this_process(spec: dict) -> list[dict]:
     source = ASTSource(fn=fn, signature=full_signature, constexprs=constexprs, attrs=attrs)
     results = []
     for cap in spec["archs"]:
+        start = time.perf_counter()
         try:
             compiled = triton.compile(
                 source, target=GPUTarget("cuda", cap, 32),
@@ -518,6 +584,7 @@ def _compile_in_this_process(spec: dict) -> list[dict]:
             "ptx": compiled.asm["ptx"],
             "ttgir": compiled.asm["ttgir"],
             "cubin": base64.b64encode(compiled.asm["cubin"]).decode(),
+            "seconds": time.perf_counter() - start,
             "metadata": {
                 "name": meta.name, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
                 "shared_bytes": meta.shared, "tmem_columns": getattr(meta, "tmem_size", 0),
@@ -545,6 +612,28 @@ def compile_cuda(source: str | os.PathLike, *, arch: str | int, flags: tuple[str
     path = Path(source)
     if not path.is_file():
         path = cuda_source(str(source))
+    headers = sorted(p for p in path.parent.iterdir() if p.suffix in (".h", ".cuh"))
+    entry_key = aot_cache.key({"kind": "cuda", "source": path.read_text(), "arch": target.nvcc_arch,
+                               "flags": list(flags), "toolchain": toolchain(),
+                               "headers": {h.name: h.read_text() for h in headers}})
+    entry = aot_cache.load(entry_key)
+    if entry is not None:
+        aot_cache.record("cuda", path.name, target.nvcc_arch, 0.0, hit=True)
+    else:
+        start = time.perf_counter()
+        try:
+            entry = _nvcc_build(path, target, flags)
+        except CompileError as err:
+            entry = {"error": str(err)}
+        aot_cache.store(entry_key, entry)
+        aot_cache.record("cuda", path.name, target.nvcc_arch, time.perf_counter() - start, hit=False)
+    if "error" in entry:
+        raise CompileError(entry["error"])
+    return Build(target, entry["ptx"], entry["sass"], metadata=entry["metadata"])
+
+
+def _nvcc_build(path: Path, target: Arch, flags: tuple[str, ...]) -> dict:
+    """nvcc to PTX and to a cubin, then cuobjdump: the cache entry of :func:`compile_cuda`."""
     nvcc = str(tool("nvcc"))
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
@@ -554,7 +643,7 @@ def compile_cuda(source: str | os.PathLike, *, arch: str | int, flags: tuple[str
         ptx = ptx_path.read_text()
         cubin = cubin_path.read_bytes()
     sass, usage = disassemble(cubin)
-    return Build(target, ptx, sass, metadata={"resources": usage, "cubin_bytes": len(cubin)})
+    return {"ptx": ptx, "sass": sass, "metadata": {"resources": usage, "cubin_bytes": len(cubin)}}
 
 
 # ----------------------------------------------------------------------------------------------

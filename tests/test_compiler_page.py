@@ -1,18 +1,47 @@
 """The book page "What the compiler says" (book/99-appendix/compiler.md) is what tools.compiler_page
 generates now: every module's compile_jobs() compiled for sm80, sm90a and sm100a.
 
-Cost: about 200 compiles (some 70 jobs x 3 architectures, ~1 s each) in two subprocesses, 1.5 to 3
-minutes on 2 cores, the first time; the facts are cached in _build/compiler-page-cache.json under a
-key of the job, the Triton version and the source of every kernels module, so a run after
-`python -m tools.compiler_page` with nothing changed compiles nothing."""
+The facts of each job are committed beside the page (compiler-facts.json) under a key made of the
+job, the toolchain's versions and the source of the kernel's module and everything it imports, so
+the check compiles only the jobs whose kernel (or a helper it imports, or the compiler) changed since
+the page was written: about 200 compiles (3-5 CPU-minutes) when everything changed, seconds when
+nothing did. The stored facts are not merely trusted: a few jobs, picked by their keys (so the pick
+moves whenever sources change), are compiled afresh and must match what is stored."""
 import types
 
+from kernels import aot_cache
 from tools import compiler_page as cp
+
+FRESH_JOBS = 3
 
 
 def test_the_committed_page_is_current():
-    fresh = cp.generate(workers=2)
-    assert cp.PAGE.read_text() == fresh, "book/99-appendix/compiler.md is out of date: run `python -m tools.compiler_page`"
+    page, facts = cp.generate(workers=2)
+    assert cp.PAGE.read_text() == page, "book/99-appendix/compiler.md is out of date: run `python -m tools.compiler_page`"
+    assert cp.read_facts() == facts, "book/99-appendix/compiler-facts.json is out of date: run `python -m tools.compiler_page`"
+
+
+def test_stored_facts_match_a_fresh_compile():
+    entries = cp.inventory()
+    jobs = {cp.job_key(job): (entry, label) for entry in entries for label, job in entry.jobs.items()}
+    stored = cp.read_facts()
+    picked = sorted(k for k in jobs if k in stored)[:FRESH_JOBS]
+    assert len(picked) == FRESH_JOBS, "the facts file holds too few of the current jobs: run `python -m tools.compiler_page`"
+    sample = [cp.ModuleEntry(jobs[k][0].name, [], {jobs[k][1]: jobs[k][0].jobs[jobs[k][1]]}, True) for k in picked]
+    fresh = cp.compile_facts(sample, stored={}, workers=1)
+    for k in picked:
+        assert fresh[k] == stored[k], f"{jobs[k][0].name}: {jobs[k][1]} compiles to other facts than stored"
+
+
+def test_a_changed_source_gives_a_job_a_new_key(monkeypatch):
+    from kernels.gemm import matmul
+
+    job = next(iter(matmul.compile_jobs().values()))
+    before = cp.job_key(job)
+    real = aot_cache.source_digest
+    monkeypatch.setattr(aot_cache, "source_digest", lambda m: real(m) + ("x" if m == "kernels.gemm.matmul" else ""))
+    assert cp.job_key(job) != before
+    assert cp.job_key(job) not in cp.read_facts()
 
 
 def test_modules_without_compile_jobs_and_kernels_without_a_job_are_listed():
@@ -23,8 +52,8 @@ def test_modules_without_compile_jobs_and_kernels_without_a_job_are_listed():
     assert by_name["kernels.gemm.matmul"].kernels_without_job == ["_matmul_no_k_mask_kernel"]
     assert not by_name["kernels.gpu.copy"].has_compile_jobs or by_name["kernels.gpu.copy"].jobs
     gap = cp.ModuleEntry("kernels.example", ["_example_kernel"])
-    page = cp.render([gap, by_name["kernels.gemm.matmul"]], cp.compile_facts([by_name["kernels.gemm.matmul"]])[0],
-                     cp.compile_facts([])[1])
+    page = cp.render([gap, by_name["kernels.gemm.matmul"]],
+                     cp.compile_facts([by_name["kernels.gemm.matmul"]], stored=cp.read_facts()))
     assert "- `kernels.example`: `_example_kernel`" in page
     assert "Kernels of this module with no job: `_matmul_no_k_mask_kernel`." in page
     assert "| sm90a |" in page and "HGMMA" in page

@@ -1,5 +1,6 @@
 """Labs: with their solutions swapped in they run cleanly under nbval, and every check cell
 rejects the known-wrong implementations kept beside the solutions."""
+import copy
 import subprocess
 from pathlib import Path
 
@@ -66,14 +67,81 @@ def test_solved_lab_runs_under_nbval(lab, second_config, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
+class LabKernel:
+    """One kernel for all of a lab's known-wrong blocks (a kernel start and the lab's set-up cells
+    once, not once per block). The solved lab runs in order; a wrong block is tried in its task's
+    cell, followed by the cells up to that task's check, exactly as a fresh run of the lab with that
+    block would reach them; then the solution and the same cells run again, so the next block starts
+    from the solved state."""
+
+    def __init__(self, lab: Path, folder: Path):
+        self.lab = lab
+        self.nb = labs.read(lab)
+        self.solved = labs.solved(self.nb, labs.load_blocks(labs.solutions_path(lab)))
+        # the client keeps its own copy: execute_cell stores each executed cell into the client's notebook
+        self.client = NotebookClient(copy.deepcopy(self.solved), timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(folder)}})
+        self._kernel = self.client.setup_kernel()
+        self._kernel.__enter__()
+        self.done = 0                          # cells of the solved lab executed so far
+
+    def run_solved(self, stop: int) -> None:
+        """Execute the solved lab's cells up to (not including) ``stop``; one that raises fails the test."""
+        for i in range(self.done, stop):
+            self.client.execute_cell(self.solved.cells[i], i)
+        self.done = max(self.done, stop)
+
+    def try_wrong(self, block):
+        """(index, ename) of the cell that raised with ``block`` in its task's cell, or None."""
+        task, check = labs.tasks(self.nb)[block.task], labs.checks(self.nb)[block.task]
+        self.run_solved(task)
+        failure = None
+        self.client.allow_errors = True        # an error must not make the kernel abort what follows
+        try:
+            for i in range(task, check + 1):
+                cell = copy.deepcopy(self.solved.cells[i])
+                if i == task:
+                    cell.source = block.source
+                self.client.execute_cell(cell, i)
+                errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+                if errors:
+                    failure = (i, errors[0]["ename"])
+                    break
+        finally:
+            self.client.allow_errors = False
+        for i in range(task, check + 1):       # back to the solved state
+            self.client.execute_cell(copy.deepcopy(self.solved.cells[i]), i)
+        self.done = max(self.done, check + 1)
+        return failure
+
+    def close(self) -> None:
+        self._kernel.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def lab_kernels(tmp_path_factory):
+    """The kernel of the lab whose wrong blocks are being tried (one at a time: the previous lab's
+    kernel stops when the next lab's first block comes)."""
+    open_kernels: dict[Path, LabKernel] = {}
+
+    def get(lab: Path) -> LabKernel:
+        if lab not in open_kernels:
+            for other in list(open_kernels):
+                open_kernels.pop(other).close()
+            open_kernels[lab] = LabKernel(lab, tmp_path_factory.mktemp(lab.stem))
+        return open_kernels[lab]
+
+    yield get
+    for kernel in open_kernels.values():
+        kernel.close()
+
+
 @pytest.mark.parametrize("lab, block", WRONG, ids=[f"{lab.stem}:{b.task}:{b.why}" for lab, b in WRONG])
-def test_check_rejects_a_known_wrong_implementation(lab, block, tmp_path):
-    nb = labs.read(lab)
-    broken = labs.solved(nb, labs.load_blocks(labs.solutions_path(lab)), wrong=block)
-    failure = failing_cell(broken, tmp_path)
+def test_check_rejects_a_known_wrong_implementation(lab, block, lab_kernels):
+    failure = lab_kernels(lab).try_wrong(block)
     assert failure is not None, f"the check for {block.task} accepted the wrong implementation ({block.why})"
     index, ename = failure
-    assert index == labs.checks(nb)[block.task], f"cell {index} failed, not the check for {block.task}"
+    assert index == labs.checks(labs.read(lab))[block.task], f"cell {index} failed, not the check for {block.task}"
     assert ename in ("MismatchError", "AssertionError"), f"the check failed with {ename}, not a mismatch"
 
 

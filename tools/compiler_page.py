@@ -7,16 +7,17 @@ what the compiler made of each job: registers, spills, shared memory, pipeline s
 copies (cp.async ``LDGSTS``, TMA ``UTMALDG``) and the tensor-core instruction family. A module with
 kernels and no ``compile_jobs()`` is listed as such, so the gap stays visible.
 
-``python -m tools.compiler_page`` rewrites the page; ``tests/test_compiler_page.py`` checks that the
-committed page is what this produces. Compiles run in ``--workers`` subprocesses (about a second per
-job and architecture); facts are cached in ``_build/compiler-page-cache.json`` under a key made of the
-job, the Triton version and the source of every ``kernels`` module, so a second run with nothing
-changed compiles nothing, and any change to a kernel's code recompiles everything.
+``python -m tools.compiler_page`` rewrites the page and ``compiler-facts.json`` beside it: the facts of
+every job under a key made of the job, the toolchain's versions and the source of the kernel's module
+and of every module it imports (:func:`job_key`). ``tests/test_compiler_page.py`` checks that the
+committed page is what this produces, compiling only the jobs whose key is not in the facts file (their
+kernel, a module it imports or the toolchain changed) and, so that the stored facts are not merely
+trusted, a few jobs afresh. Compiles go through :func:`kernels.inspect.compile_triton_many` and its
+shared cache, in ``--workers`` subprocesses (about a second per job and architecture).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import math
@@ -28,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "book" / "99-appendix" / "compiler.md"
-CACHE = ROOT / "_build" / "compiler-page-cache.json"
+FACTS = ROOT / "book" / "99-appendix" / "compiler-facts.json"   # committed: {job key: {arch: facts}}
 ARCHS = ("sm80", "sm90", "sm100")
 H100_SMS = 132      # the waves column: programs / 132 SMs (an H100 SXM; kernels/gpu/hardware.py)
 CHUNK = 6           # jobs per compile subprocess
@@ -80,18 +81,14 @@ def inventory(names: list[str] | None = None) -> list[ModuleEntry]:
     return entries
 
 
-def _source_digest() -> str:
-    import triton
+def job_key(job) -> str:
+    """A job's entry in the facts file: the cache keys of its builds for every architecture on the
+    page (each names the job, the toolchain and the source of the kernel's module and its imports)."""
+    from kernels import aot_cache
+    from kernels import inspect as ki
 
-    h = hashlib.sha256(triton.__version__.encode())
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
-        h.update(path.relative_to(ROOT).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _job_key(job, digest: str) -> str:
-    return hashlib.sha256(json.dumps([job.spec(), ARCHS, digest], sort_keys=True, default=str).encode()).hexdigest()
+    spec = job.spec()
+    return aot_cache.key({"page": [ki.triton_build_key(spec, ki.parse_arch(a)) for a in ARCHS]})
 
 
 def _facts(build) -> dict:
@@ -105,13 +102,16 @@ def _facts(build) -> dict:
             "stages": m["num_stages"], **build.async_copies, "tensor_core": build.tensor_core}
 
 
-def compile_facts(entries: list[ModuleEntry], *, workers: int = 2, cache: Path | None = CACHE) -> tuple[dict, str]:
-    """({job key: {arch: facts}} for every job, the source digest), compiling only what the cache lacks."""
+def read_facts(path: Path = FACTS) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def compile_facts(entries: list[ModuleEntry], *, stored: dict, workers: int = 2) -> dict:
+    """{job key: {arch: facts}} for every job: from ``stored`` where its key is there (its source and
+    toolchain unchanged), compiled for the others."""
     from kernels import inspect as ki
 
-    digest = _source_digest()
-    stored = json.loads(cache.read_text()) if cache and cache.is_file() else {}
-    jobs = {_job_key(job, digest): job for e in entries for job in e.jobs.values()}
+    jobs = {job_key(job): job for e in entries for job in e.jobs.values()}
     todo = [k for k in jobs if k not in stored]
     chunks = [todo[i:i + CHUNK] for i in range(0, len(todo), CHUNK)]
 
@@ -119,13 +119,11 @@ def compile_facts(entries: list[ModuleEntry], *, workers: int = 2, cache: Path |
         builds = ki.compile_triton_many([jobs[k] for k in keys], archs=ARCHS, errors="keep")
         return {k: {arch: _facts(b) for arch, b in bs.items()} for k, bs in zip(keys, builds)}
 
+    found = {k: stored[k] for k in jobs if k in stored}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         for done in pool.map(run, chunks):
-            stored.update(done)
-    if cache and todo:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(stored, sort_keys=True))
-    return {k: stored[k] for k in jobs}, digest
+            found.update(done)
+    return found
 
 
 def _cell(text) -> str:
@@ -138,7 +136,7 @@ def _programs(job) -> str:
     return f"{job.programs} ({job.programs / H100_SMS:.2f} waves)"
 
 
-def render(entries: list[ModuleEntry], facts: dict, digest: str) -> str:
+def render(entries: list[ModuleEntry], facts: dict) -> str:
     import triton
 
     lines = [
@@ -173,7 +171,7 @@ def render(entries: list[ModuleEntry], facts: dict, digest: str) -> str:
             lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
             for label, job in entry.jobs.items():
                 kernel = getattr(job.kernel, "fn", job.kernel).__name__
-                per_arch = facts[_job_key(job, digest)]
+                per_arch = facts[job_key(job)]
                 for i, arch in enumerate(ARCHS):
                     f = per_arch[arch]
                     first = f"{_cell(label)} (`{kernel}`, {job.num_warps} warps)" if i == 0 else ""
@@ -197,20 +195,24 @@ def render(entries: list[ModuleEntry], facts: dict, digest: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def generate(*, workers: int = 2, cache: Path | None = CACHE) -> str:
+def generate(*, workers: int = 2, stored: dict | None = None) -> tuple[str, dict]:
+    """(the page, the facts it shows), reusing ``stored`` facts whose job, toolchain and source are
+    unchanged (the committed facts file by default; ``{}`` compiles everything)."""
     entries = inventory()
-    facts, digest = compile_facts(entries, workers=workers, cache=cache)
-    return render(entries, facts, digest)
+    facts = compile_facts(entries, stored=read_facts() if stored is None else stored, workers=workers)
+    return render(entries, facts), facts
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="compile subprocesses at once (default 2)")
-    parser.add_argument("--no-cache", action="store_true", help="compile everything, ignoring the cache")
+    parser.add_argument("--no-cache", action="store_true", help="compile everything, ignoring the stored facts")
     args = parser.parse_args(argv)
+    page, facts = generate(workers=args.workers, stored={} if args.no_cache else None)
     PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(generate(workers=args.workers, cache=None if args.no_cache else CACHE))
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    PAGE.write_text(page)
+    FACTS.write_text(json.dumps(facts, indent=0, sort_keys=True) + "\n")
+    print(f"wrote {PAGE.relative_to(ROOT)} and {FACTS.relative_to(ROOT)}")
     return 0
 
 
