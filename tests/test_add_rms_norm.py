@@ -109,7 +109,7 @@ def test_gradcheck_float64_reference_agrees_with_fp32_kernel():
 def test_broken_variant_without_residual_gradient_is_caught():
     """Dropping the residual path's dh from the backward (a classic bug) must fail the check."""
     x, r, w, gh, gy = _case((37, 130), torch.float32)
-    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, None, False), x, r, w, gh, gy)
+    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, None, 0.0, False), x, r, w, gh, gy)
     ref = _grads(_unfused_torch, x.double(), r.double(), w.double(), gh.double(), gy.double())
     assert_close(broken[1], ref[1].float())            # the forward is still right
     with pytest.raises(MismatchError):
@@ -132,7 +132,7 @@ def test_bad_inputs_raise_clear_errors():
 
 @triton.jit
 def _tiled_normalizes_x_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, n, stride_x, stride_r, stride_h, stride_y,
-                               eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+                               eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ss = tl.zeros((BLOCK_N,), tl.float32)

@@ -381,7 +381,8 @@ def _ln_bwd_no_mean_kernel(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_p
 
 @triton.jit
 def _rms_subtracts_mean_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, stride_y, eps,
-                               HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                               HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                               W_OFFSET: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n)
@@ -395,7 +396,8 @@ def _rms_subtracts_mean_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_
 
 @triton.jit
 def _rms_no_col_mask_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, stride_y, eps,
-                            HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                            HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                            W_OFFSET: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n)
@@ -411,7 +413,7 @@ def _rms_no_col_mask_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, 
 def _rms_bwd_no_projection_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
                                   n_rows, n, stride_x, stride_g, stride_dx, stride_dres, n_tiles,
                                   HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, ADD_DRES: tl.constexpr,
-                                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
@@ -498,7 +500,7 @@ def test_broken_rms_norm_without_mask_is_caught_by_canary(monkeypatch):
 
 @triton.jit
 def _rms_tiled_drops_tail_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps,
-                                 HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+                                 HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ss = tl.zeros((BLOCK_N,), tl.float32)

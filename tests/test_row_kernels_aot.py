@@ -39,7 +39,7 @@ ROW_MODULES = (softmax_mod, ln_mod, rms_mod, arn_mod)
 def _add_rms_norm_int32_rows_kernel(
     x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
     n_rows, n, stride_x, stride_r, stride_h, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     """The add+RMSNorm forward as it was: rows in int32, so rows * stride wraps past 2**31."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)          # BROKEN: int32
