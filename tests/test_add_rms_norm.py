@@ -111,7 +111,7 @@ def test_gradcheck_float64_reference_agrees_with_fp32_kernel():
 def test_broken_variant_without_residual_gradient_is_caught():
     """Dropping the residual path's dh from the backward (a classic bug) must fail the check."""
     x, r, w, gh, gy = _case((37, 130), torch.float32)
-    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, None, 0.0, False), x, r, w, gh, gy)
+    broken = _grads(lambda a, b, c: _AddRMSNorm.apply(a, b, c, EPS, None, False), x, r, w, gh, gy)
     ref = _grads(_unfused_torch, x.double(), r.double(), w.double(), gh.double(), gy.double())
     assert_close(broken[1], ref[1].float())            # the forward is still right
     with pytest.raises(MismatchError):

@@ -100,7 +100,7 @@ def _add_rms_norm_fwd_tiled_kernel(
 
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, block_size, weight_offset=0.0, residual_grad=True):
+    def forward(ctx, x, residual, weight, eps, block_size, residual_grad=True, weight_offset=0.0):
         n = x.shape[-1]
         x2, r2 = as_rows(x), as_rows(residual)
         n_rows = x2.shape[0]
@@ -202,4 +202,4 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     del n
     offset = check_weight_offset("add_rms_norm", weight_offset, weight)
     check_block_size("add_rms_norm", block_size)
-    return _AddRMSNorm.apply(x, residual, weight, float(eps), block_size, offset)
+    return _AddRMSNorm.apply(x, residual, weight, float(eps), block_size, True, offset)
