@@ -34,9 +34,9 @@ def _grads(fn, x, r, w, gh, gy):
     return h, y, dx, dr, dw
 
 
-def _unfused_torch(x, r, w):
+def _unfused_torch(x, r, w, weight_offset=0.0):
     h = x + r
-    return h, F.rms_norm(h, (h.shape[-1],), w, EPS)
+    return h, F.rms_norm(h, (h.shape[-1],), None if w is None else w + weight_offset, EPS)
 
 
 def _case(shape, dtype):
@@ -44,16 +44,18 @@ def _case(shape, dtype):
     return (_t(shape, dtype, 0, 2.0), _t(shape, dtype, 1), _t((n,), dtype, 2), _t(shape, dtype, 3), _t(shape, dtype, 4))
 
 
-def _check(x, r, w, gh, gy, block_size=None, x_in=None, r_in=None):
-    """Kernel (h, y and every gradient) against the float64 reference within PyTorch's own error."""
+def _check(x, r, w, gh, gy, block_size=None, x_in=None, r_in=None, weight_offset=0.0):
+    """Kernel (h, y and every gradient) against the float64 reference within PyTorch's own error;
+    ``weight_offset=1.0``: Gemma's (1 + w)."""
     dtype = x.dtype
     x_in, r_in = (x if x_in is None else x_in), (r if r_in is None else r_in)
-    got = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS, block_size=block_size), x_in, r_in, w, gh, gy)
+    got = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS, weight_offset=weight_offset, block_size=block_size),
+                 x_in, r_in, w, gh, gy)
     # reference: the two operations in float64 from the same (rounded) h
     h_dt = x + r
-    ref = _grads(lambda a, b, c: add_rms_norm_ref(a, b, c, EPS), x.double(), r.double(), w.double(),
+    ref = _grads(lambda a, b, c: add_rms_norm_ref(a, b, c, EPS, weight_offset), x.double(), r.double(), w.double(),
                  gh.double(), gy.double())
-    base = _grads(_unfused_torch, x, r, w, gh, gy)
+    base = _grads(lambda a, b, c: _unfused_torch(a, b, c, weight_offset), x, r, w, gh, gy)
     assert torch.equal(got[0], h_dt), "h must be exactly x + residual in x's dtype"
     for label, a, e, b in zip(["h", "y", "dx", "dresidual", "dw"], got, ref, base):
         assert a.dtype == dtype, label
@@ -116,6 +118,35 @@ def test_broken_variant_without_residual_gradient_is_caught():
         assert_close(broken[2], ref[2].float(), name="dx without dh")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,block_size", [((3, 7), None), ((37, 130), None), ((2, 3, 300), 64)], ids=str)
+def test_gemma_offset_forward_backward(shape, block_size, dtype):
+    """weight_offset=1.0 (Gemma's (1 + w), w small around its zero init): h, y and every gradient against
+    the float64 reference, one block and rows in blocks of 64 (masked tail), inside NaN canaries."""
+    x, r, w, gh, gy = _case(shape, dtype)
+    w = (w.float() * 0.1).to(dtype)
+    _check(x, r, w, gh, gy, block_size=block_size, x_in=nan_canary(x, rows=True), r_in=nan_canary(r, rows=True),
+           weight_offset=1.0)
+
+
+def test_gemma_dw_is_the_plain_dw_at_one_plus_w():
+    """fp32: Gemma's add+norm with w equals the plain one with 1 + w bit for bit, dw included
+    (d(1 + w)/dw = 1, so dw = sum dy * hhat either way)."""
+    x, r, w, gh, gy = _case((9, 77), torch.float32)
+    gemma = _grads(lambda a, b, c: add_rms_norm(a, b, c, EPS, weight_offset=1.0), x, r, w, gh, gy)
+    plain = _grads(lambda a, b, c: add_rms_norm(a, b, c + 1, EPS), x, r, w, gh, gy)
+    for label, a, b in zip(("h", "y", "dx", "dresidual", "dw"), gemma, plain):
+        assert torch.equal(a, b), label
+
+
+def test_broken_gemma_backward_that_forgets_the_offset_is_caught(monkeypatch):
+    x, r, w, gh, gy = _case((37, 130), torch.float32)
+    right = arn_mod.backward_rows
+    monkeypatch.setattr(arn_mod, "backward_rows", lambda *a, **k: right(*a, **{**k, "weight_offset": 0.0}))
+    with pytest.raises(MismatchError, match="add_rms_norm dx"):
+        _check(x, r, w, gh, gy, weight_offset=1.0)
+
+
 def test_bad_inputs_raise_clear_errors():
     x = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="residual shape"):
@@ -128,11 +159,15 @@ def test_bad_inputs_raise_clear_errors():
         add_rms_norm(x.long(), x.long(), None)
     with pytest.raises(ValueError, match="eps"):
         add_rms_norm(x, x, None, -1.0)
+    with pytest.raises(ValueError, match="weight_offset must be a finite number"):
+        add_rms_norm(x, x, torch.zeros(8, device=DEVICE), weight_offset=float("nan"))
+    with pytest.raises(ValueError, match="needs a weight"):
+        add_rms_norm(x, x, None, weight_offset=1.0)
 
 
 @triton.jit
 def _tiled_normalizes_x_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, n, stride_x, stride_r, stride_h, stride_y,
-                               eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+                               eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ss = tl.zeros((BLOCK_N,), tl.float32)

@@ -61,14 +61,16 @@ def _check_layer_norm(x, w, b, g, x_in=None, eps=1e-5, name="layer_norm", block_
         assert_close(a, r, dtype=x.dtype, baseline=bl, name=f"{name} {label}")
 
 
-def _check_rms_norm(x, w, g, x_in=None, eps=1e-6, name="rms_norm", block_size=None):
+def _check_rms_norm(x, w, g, x_in=None, eps=1e-6, name="rms_norm", block_size=None, weight_offset=0.0):
+    """Kernel vs the float64 reference; ``weight_offset=1.0`` is Gemma's (1 + w), whose PyTorch baseline
+    is F.rms_norm with weight 1 + w (autograd's dw through 1 + w is the same sum)."""
     n = x.shape[-1]
     x_in = x if x_in is None else x_in
-    got = _run(lambda a, c: rms_norm(a, c, eps, block_size=block_size), (x_in, w), g)
+    got = _run(lambda a, c: rms_norm(a, c, eps, weight_offset=weight_offset, block_size=block_size), (x_in, w), g)
     ref_eps = torch.finfo(x.dtype).eps if eps is None else eps
     dbl = lambda t: None if t is None else t.double()  # noqa: E731
-    ref = _run(lambda a, c: rms_norm_ref(a, c, ref_eps), (dbl(x), dbl(w)), g.double())
-    base = _run(lambda a, c: F.rms_norm(a, (n,), c, eps), (x, w), g)
+    ref = _run(lambda a, c: rms_norm_ref(a, c, ref_eps, weight_offset), (dbl(x), dbl(w)), g.double())
+    base = _run(lambda a, c: F.rms_norm(a, (n,), None if c is None else c + weight_offset, eps), (x, w), g)
     labels = ["y", "dx"] + (["dw"] if w is not None else [])
     for label, a, r, bl in zip(labels, got, ref, base):
         assert a.dtype == x.dtype, label
@@ -161,6 +163,54 @@ def test_rms_norm_ref_is_torch_and_gradchecks():
     assert_close(rms_norm_ref(x, w), F.rms_norm(x, (17,), w), name="rms_norm_ref eps=None")
     args = [t.clone().requires_grad_() for t in (x, w)]
     assert torch.autograd.gradcheck(lambda a, c: rms_norm_ref(a, c, 1e-6), args)
+
+
+# ---------------------------------------------------------------------------------------------- Gemma's (1 + w)
+
+def _gemma_case(shape, dtype):
+    """x, a Gemma weight (zero at init, trained to small values around it) and g."""
+    x, w, _, g = _ln_case(shape, dtype)
+    return x, (w.float() * 0.1).to(dtype), g
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,block_size", [((1, 1), None), ((3, 7), None), ((37, 1000), None),
+                                              ((2, 3, 300), 64)], ids=str)
+def test_rms_norm_gemma_offset_forward_backward(shape, block_size, dtype):
+    """weight_offset=1.0 (Gemma's x / rms(x) * (1 + w)): y, dx and dw against the float64 reference,
+    one block and rows walked in blocks of 64 with a masked tail, inside NaN canaries."""
+    x, w, g = _gemma_case(shape, dtype)
+    _check_rms_norm(x, w, g, x_in=nan_canary(x, rows=True), block_size=block_size, weight_offset=1.0, name="gemma")
+
+
+@pytest.mark.parametrize("block_size", [None, 64])
+def test_gemma_offset_is_llama_at_one_plus_w_and_dw_is_unchanged(block_size):
+    """In fp32 the kernel forms 1 + w exactly as the caller would, so Gemma's norm with w is Llama's with
+    1 + w bit for bit: y, dx, and dw, whose formula sum(g * xhat) has no w in it (d(1 + w)/dw = 1)."""
+    x, w, g = _gemma_case((6, 300), torch.float32)
+    gemma = _run(lambda a, c: rms_norm(a, c, 1e-6, weight_offset=1.0, block_size=block_size), (x, w), g)
+    llama = _run(lambda a, c: rms_norm(a, c, 1e-6, block_size=block_size), (x, 1 + w), g)
+    for label, a, b in zip(("y", "dx", "dw"), gemma, llama):
+        assert torch.equal(a, b), label
+
+
+def test_gemma_reference_gradchecks_and_hand_backward_matches():
+    x, w, g = _gemma_case((4, 19), torch.float64)
+    args = [t.clone().requires_grad_() for t in (x, w)]
+    assert torch.autograd.gradcheck(lambda a, c: rms_norm_ref(a, c, 1e-6, weight_offset=1.0), args)
+    _, *auto = _run(lambda a, c: rms_norm_ref(a, c, 1e-6, weight_offset=1.0), (x, w), g)
+    for label, hand, a in zip(("dx", "dw"), rms_norm_backward_ref(x, w, g, 1e-6, weight_offset=1.0), auto):
+        assert_close(hand, a, name=f"Gemma RMSNorm {label}")
+
+
+@pytest.mark.parametrize("block_size", [None, 64])
+def test_broken_gemma_backward_that_forgets_the_offset_is_caught(monkeypatch, block_size):
+    """A backward that scales g by w instead of 1 + w (the forward still right) must fail on dx."""
+    x, w, g = _gemma_case((5, 300), torch.float32)
+    right = rms_mod.backward_rows
+    monkeypatch.setattr(rms_mod, "backward_rows", lambda *a, **k: right(*a, **{**k, "weight_offset": 0.0}))
+    with pytest.raises(MismatchError, match="gemma dx"):
+        _check_rms_norm(x, w, g, block_size=block_size, weight_offset=1.0, name="gemma")
 
 
 @pytest.mark.parametrize("weight", [True, False])
@@ -334,6 +384,15 @@ def test_bad_input_refused(fn):
         layer_norm(x, None, torch.ones(9, device=DEVICE))
 
 
+def test_bad_weight_offset_refused():
+    x, w = torch.randn(4, 8, device=DEVICE), torch.zeros(8, device=DEVICE)
+    for bad in (float("nan"), float("inf"), "1", True, None):
+        with pytest.raises(ValueError, match="weight_offset must be a finite number"):
+            rms_norm(x, w, weight_offset=bad)
+    with pytest.raises(ValueError, match="needs a weight"):
+        rms_norm(x, None, weight_offset=1.0)
+
+
 # ---------------------------------------------------------------------------------------------- broken variants are caught
 
 @triton.jit
@@ -381,7 +440,8 @@ def _ln_bwd_no_mean_kernel(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_p
 
 @triton.jit
 def _rms_subtracts_mean_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, stride_y, eps,
-                               HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                               HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                               W_OFFSET: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n)
@@ -395,7 +455,8 @@ def _rms_subtracts_mean_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_
 
 @triton.jit
 def _rms_no_col_mask_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, stride_y, eps,
-                            HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                            HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                            W_OFFSET: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n)
@@ -411,7 +472,7 @@ def _rms_no_col_mask_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n, stride_x, 
 def _rms_bwd_no_projection_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dres_ptr,
                                   n_rows, n, stride_x, stride_g, stride_dx, stride_dres, n_tiles,
                                   HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, ADD_DRES: tl.constexpr,
-                                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
@@ -498,7 +559,7 @@ def test_broken_rms_norm_without_mask_is_caught_by_canary(monkeypatch):
 
 @triton.jit
 def _rms_tiled_drops_tail_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps,
-                                 HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+                                 HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ss = tl.zeros((BLOCK_N,), tl.float32)

@@ -39,7 +39,7 @@ ROW_MODULES = (softmax_mod, ln_mod, rms_mod, arn_mod)
 def _add_rms_norm_int32_rows_kernel(
     x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
     n_rows, n, stride_x, stride_r, stride_h, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     """The add+RMSNorm forward as it was: rows in int32, so rows * stride wraps past 2**31."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)          # BROKEN: int32
@@ -65,6 +65,11 @@ def _cases() -> list[tuple[str, TritonJob]]:
     cases += [(f"{label} bf16", job) for label, job in softmax_mod.launch_jobs(16384, torch.bfloat16)]
     cases += [(f"{label} fp32", job) for n in (8192, 16384) for label, job in ln_mod.launch_jobs(n, torch.float32)]
     cases += [(f"{label} fp16", job) for label, job in rms_mod.launch_jobs(65536, torch.float16)]
+    # Gemma 3 27B (5376, bf16): (1 + w) in both norm modules, and the plain RMSNorm at the same width to price it
+    n = rms_mod.GEMMA_WIDTH[1]
+    cases += [(f"{label} bf16", job) for mod in (rms_mod, arn_mod)
+              for label, job in mod.launch_jobs(n, torch.bfloat16, weight_offset=1.0)]
+    cases += [(f"{label} bf16", job) for label, job in rms_mod.launch_jobs(n, torch.bfloat16)]
     # The GLU kernels are elementwise over (tokens x hidden): one launch for every width.
     cases += [(f"{label} fp16", job) for label, job in glu_mod.launch_jobs(torch.float16)]
     return cases
@@ -132,6 +137,18 @@ def test_no_spills_at_real_widths(builds):
                if not label.startswith("old") and (b.spills or b.metadata["stack_bytes"])}
     assert not spilled, f"register spills (STL+LDL, stack bytes): {spilled}"
     assert len(builds) > 40
+
+
+def test_gemma_offset_costs_no_registers_or_shared_memory(builds):
+    """Gemma's (1 + w) at Gemma 3 27B's width is one fp32 add on the loaded weight: the forward and the
+    backward compile to the plain launch's registers and shared memory, without spills (the backward at
+    its 64-register ceiling of 32 warps, as the plain one)."""
+    for part in ("fwd", "bwd"):
+        plain, gemma = builds[f"rms_norm {part} 5376 bf16"][1], builds[f"rms_norm {part} 5376 (1 + w) bf16"][1]
+        assert gemma.metadata["registers"] == plain.metadata["registers"], part
+        assert gemma.metadata["shared_bytes"] == plain.metadata["shared_bytes"], part
+    assert builds["rms_norm bwd 5376 (1 + w) bf16"][1].metadata["registers"] <= 64
+    assert builds["add_rms_norm fwd 5376 (1 + w) bf16"][1].metadata["num_warps"] == 16
 
 
 def test_launches_compiled_are_the_launchers_own(builds):

@@ -15,7 +15,8 @@ With upstream gradients dh (from the later uses of h) and dy, hhat = h * rstd, g
     dx = dresidual = dh_total,                                  dw = sum over rows of dy * hhat
 
 The sum is rounded to x's dtype before it is normalized, so the fused kernel computes exactly
-what the two unfused operations compute.
+what the two unfused operations compute. ``weight_offset=1.0`` scales by Gemma's (1 + w) (formed in
+fp32) instead of w; the backward then uses gw = dy * (1 + w), and dw is unchanged (d(1 + w)/dw = 1).
 """
 from __future__ import annotations
 
@@ -23,19 +24,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm.common import check_norm_inputs
-from kernels.norm.rms_norm import REAL_WIDTHS, backward_rows, launch_jobs as rms_norm_launch_jobs
+from kernels.norm.common import check_norm_inputs, check_weight_offset, weight_scale
+from kernels.norm.rms_norm import GEMMA_WIDTH, REAL_WIDTHS, backward_rows, launch_jobs as rms_norm_launch_jobs
 from kernels.rows import FORWARD, as_rows, check_block_size, row_launch
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
-                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two unfused operations: h = x + residual (in x's dtype), y = rms_norm(h) * weight in fp32."""
+                     eps: float = 1e-6, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two unfused operations: h = x + residual (in x's dtype), y = rms_norm(h) * (weight_offset + weight)
+    in fp32 (weight_offset=1.0: Gemma's 1 + w)."""
     h = x + residual
     hf = h.float()
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * (weight.float() + weight_offset)
     return h, y
 
 
@@ -43,7 +45,7 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def _add_rms_norm_fwd_kernel(
     x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
     n_rows, n, stride_x, stride_r, stride_h, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     """One block: BLOCK_R whole rows per program (n <= BLOCK_N); reads x and residual once,
     writes h and y once."""
@@ -60,7 +62,8 @@ def _add_rms_norm_fwd_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / n + eps)            # 1 / rms(h)
     y = hf * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        w = weight_scale(tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32), W_OFFSET)   # w or 1 + w
+        y = y * w[None, :]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -69,7 +72,7 @@ def _add_rms_norm_fwd_kernel(
 def _add_rms_norm_fwd_tiled_kernel(
     x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr,
     n, stride_x, stride_r, stride_h, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     """A row wider than one block: one program per row, walked in blocks of BLOCK_N twice.
     Pass 1 writes h = x + residual and sums h^2; pass 2 reads h back and writes y = h * rstd * w
@@ -90,14 +93,14 @@ def _add_rms_norm_fwd_tiled_kernel(
         c = start + cols
         y = tl.load(h_ptr + row * stride_h + c, mask=c < n, other=0.0).to(tl.float32) * rstd
         if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+            y = y * weight_scale(tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32), W_OFFSET)
         tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c < n)
     tl.store(rstd_ptr + row, rstd)
 
 
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, block_size, residual_grad=True):
+    def forward(ctx, x, residual, weight, eps, block_size, residual_grad=True, weight_offset=0.0):
         n = x.shape[-1]
         x2, r2 = as_rows(x), as_rows(residual)
         n_rows = x2.shape[0]
@@ -106,10 +109,10 @@ class _AddRMSNorm(torch.autograd.Function):
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         if n_rows:
             launch = row_launch(n, x.dtype, FORWARD, n_rows=n_rows, block_size=block_size)
-            kernel, grid, args, kwargs = _forward_args(x2, r2, weight, h2, y2, rstd, eps, launch)
+            kernel, grid, args, kwargs = _forward_args(x2, r2, weight, h2, y2, rstd, eps, launch, weight_offset)
             kernel[grid](*args, **kwargs)
         ctx.save_for_backward(h2, weight, rstd)
-        ctx.shape, ctx.block_size = x.shape, block_size
+        ctx.shape, ctx.block_size, ctx.weight_offset = x.shape, block_size, weight_offset
         ctx.residual_grad = residual_grad
         return h2.view(x.shape), y2.view(x.shape)
 
@@ -120,13 +123,14 @@ class _AddRMSNorm(torch.autograd.Function):
         # The norm's backward on h, plus the gradient h receives directly (dh); residual_grad=False
         # leaves dh out and exists only for the tests' broken variant.
         dh2 = as_rows(dh.to(h2.dtype)) if ctx.residual_grad else None
-        dx2, dw = backward_rows(h2, weight, rstd, as_rows(dy.to(h2.dtype)), need_dw, dh2, block_size=ctx.block_size)
+        dx2, dw = backward_rows(h2, weight, rstd, as_rows(dy.to(h2.dtype)), need_dw, dh2, block_size=ctx.block_size,
+                                weight_offset=ctx.weight_offset)
         dx = dx2.view(ctx.shape)
         # x and residual get the same gradient; separate tensors, so neither can alias the other's .grad
-        return dx, dx.clone(), dw, None, None, None
+        return dx, dx.clone(), dw, None, None, None, None
 
 
-def _forward_args(x2, r2, weight, h2, y2, rstd, eps: float, launch):
+def _forward_args(x2, r2, weight, h2, y2, rstd, eps: float, launch, weight_offset: float = 0.0):
     """(kernel, grid, args, kwargs) of the forward's launch on (rows, n) views: one block per row tile,
     or two passes over blocks. Shared by the launcher and :func:`launch_jobs`."""
     n_rows, n = x2.shape
@@ -136,39 +140,52 @@ def _forward_args(x2, r2, weight, h2, y2, rstd, eps: float, launch):
         return (_add_rms_norm_fwd_kernel, (triton.cdiv(n_rows, launch.block_r),),
                 (x2, r2, w, h2, y2, rstd, n_rows, n, *strides, eps),
                 dict(HAS_WEIGHT=weight is not None, BLOCK_R=launch.block_r, BLOCK_N=launch.block_n,
-                     num_warps=launch.num_warps))
+                     W_OFFSET=weight_offset, num_warps=launch.num_warps))
     return (_add_rms_norm_fwd_tiled_kernel, (n_rows,), (x2, r2, w, h2, y2, rstd, n, *strides, eps),
-            dict(HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+            dict(HAS_WEIGHT=weight is not None, BLOCK_N=launch.block_n, W_OFFSET=weight_offset,
+                 num_warps=launch.num_warps))
 
 
-def launch_jobs(n: int, dtype: torch.dtype = torch.float16, n_rows: int = 4096, *, sms: int = 132) -> list:
+def launch_jobs(n: int, dtype: torch.dtype = torch.float16, n_rows: int = 4096, *, weight_offset: float = 0.0,
+                sms: int = 132) -> list:
     """``(label, TritonJob)`` of the launches :func:`add_rms_norm` makes on a GPU of ``sms`` SMs for
     ``n_rows`` rows of ``n`` features with a weight, on meta tensors: the fused forward, then the
-    RMSNorm backward it reuses with the residual gradient added (:func:`kernels.norm.rms_norm.launch_jobs`)."""
+    RMSNorm backward it reuses with the residual gradient added (:func:`kernels.norm.rms_norm.launch_jobs`).
+    ``weight_offset=1.0``: Gemma's (1 + w), labelled " (1 + w)"."""
     from kernels import inspect as ki
 
     x2 = torch.empty(n_rows, n, dtype=dtype, device="meta")                   # (rows, n), as x, residual, h, y
     rstd = torch.empty(n_rows, dtype=torch.float32, device="meta")
     launch = row_launch(n, dtype, FORWARD, n_rows=n_rows)
     kernel, grid, args, kwargs = _forward_args(x2, torch.empty_like(x2), torch.empty(n, dtype=dtype, device="meta"),
-                                               torch.empty_like(x2), torch.empty_like(x2), rstd, 1e-6, launch)
+                                               torch.empty_like(x2), torch.empty_like(x2), rstd, 1e-6, launch,
+                                               weight_offset)
     bwd = [(label.replace("rms_norm", "add_rms_norm"), job)
-           for label, job in rms_norm_launch_jobs(n, dtype, n_rows, add_dres=True, sms=sms) if " bwd " in label]
-    return [(f"add_rms_norm fwd {n}", ki.launch_job(kernel, *args, grid=grid, **kwargs))] + bwd
+           for label, job in rms_norm_launch_jobs(n, dtype, n_rows, add_dres=True, weight_offset=weight_offset, sms=sms)
+           if " bwd " in label]
+    tag = " (1 + w)" if weight_offset else ""
+    return [(f"add_rms_norm fwd {n}{tag}", ki.launch_job(kernel, *args, grid=grid, **kwargs))] + bwd
 
 
 def compile_jobs() -> dict:
-    """:func:`launch_jobs` at the widths of :data:`kernels.norm.rms_norm.REAL_WIDTHS`, 4096 tokens, fp16."""
-    return {f"{model} {label}, 4096 tokens": job for model, n in REAL_WIDTHS for label, job in launch_jobs(n)}
+    """:func:`launch_jobs` at the widths of :data:`kernels.norm.rms_norm.REAL_WIDTHS`, 4096 tokens, fp16, and
+    Gemma's (1 + w) at :data:`kernels.norm.rms_norm.GEMMA_WIDTH` in bf16."""
+    jobs = {f"{model} {label}, 4096 tokens": job for model, n in REAL_WIDTHS for label, job in launch_jobs(n)}
+    model, n = GEMMA_WIDTH
+    jobs.update({f"{model} {label}, bf16, 4096 tokens": job
+                 for label, job in launch_jobs(n, torch.bfloat16, weight_offset=1.0)})
+    return jobs
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, *, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, *, weight_offset: float = 0.0,
+                 block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` and ``y = rms_norm(h) * weight`` in one Triton kernel; returns (h, y).
 
     x and residual: same shape and dtype (fp16, bf16 or fp32), features last, any row stride;
     weight: (n,) of that dtype or None. Both outputs are contiguous, in x's dtype; the statistic is
-    fp32. Differentiable in x, residual and weight (the backward is fused too). Rows wider than the
+    fp32. ``weight_offset=1.0`` scales by Gemma's ``1 + weight`` (formed in fp32) instead of ``weight``.
+    Differentiable in x, residual and weight (the backward is fused too). Rows wider than the
     launch rule's widest block (:func:`kernels.rows.row_launch`), or ``block_size``, are walked in blocks.
     """
     n = check_norm_inputs("add_rms_norm", x, weight=weight)
@@ -183,5 +200,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"add_rms_norm: eps must be a non-negative number, got {eps!r}")
     del n
+    offset = check_weight_offset("add_rms_norm", weight_offset, weight)
     check_block_size("add_rms_norm", block_size)
-    return _AddRMSNorm.apply(x, residual, weight, float(eps), block_size)
+    return _AddRMSNorm.apply(x, residual, weight, float(eps), block_size, True, offset)

@@ -13,6 +13,8 @@ partial sums, a (programs, n) fp32 buffer, are added up by :func:`sum_partials`.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -60,6 +62,26 @@ def check_norm_inputs(fn: str, x, **params) -> int:
     return n
 
 
+def check_weight_offset(fn: str, weight_offset, weight) -> float:
+    """Validate ``weight_offset`` (the constant added to the weight: 0.0 for Llama, 1.0 for Gemma's
+    ``x / rms(x) * (1 + w)``) and return it as a float. An offset scales nothing without a weight."""
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)) or not math.isfinite(weight_offset):
+        raise ValueError(f"{fn}: weight_offset must be a finite number (0.0, or 1.0 for Gemma's (1 + w)), "
+                         f"got {weight_offset!r}")
+    if weight is None and weight_offset != 0:
+        raise ValueError(f"{fn}: weight_offset={weight_offset} needs a weight to offset, but weight is None")
+    return float(weight_offset)
+
+
+@triton.jit
+def weight_scale(w, W_OFFSET: tl.constexpr):
+    """The per-feature scale from the loaded fp32 weight: w (W_OFFSET = 0, Llama), or Gemma's
+    (W_OFFSET + w) computed in fp32 (W_OFFSET = 1). The add is compiled only when W_OFFSET != 0."""
+    if W_OFFSET != 0.0:
+        w = w + W_OFFSET
+    return w
+
+
 def backward_programs(n_tiles: int, col_blocks: int = 1, *, sms: int | None = None) -> int:
     """How many row groups share the backward's row tiles (each writes one row of partial sums);
     with ``col_blocks`` column blocks per row, each group is that many programs. ``sms`` names a
@@ -74,11 +96,11 @@ def backward_programs(n_tiles: int, col_blocks: int = 1, *, sms: int | None = No
 @triton.jit
 def _norm_bwd_dots_kernel(
     x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, n, stride_x, stride_g,
-    HAS_WEIGHT: tl.constexpr, CENTERED: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     """Tiled backward, pass 1, one program per row: the row's dot products, block by block,
         c1 = mean(gw * xhat),   c2 = mean(gw)   (c2 for LayerNorm only: CENTERED),
-    with gw = g * w and xhat = (x - mean) * rstd (mean = 0 for RMSNorm). Reads x and g once."""
+    with gw = g * (W_OFFSET + w) and xhat = (x - mean) * rstd (mean = 0 for RMSNorm). Reads x and g once."""
     row = tl.program_id(0).to(tl.int64)                                 # int64: row * stride may pass 2**31
     x_row = x_ptr + row * stride_x
     g_row = g_ptr + row * stride_g
@@ -93,7 +115,7 @@ def _norm_bwd_dots_kernel(
         x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
         gw = tl.load(g_row + c, mask=ok, other=0.0).to(tl.float32)
         if HAS_WEIGHT:
-            gw = gw * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+            gw = gw * weight_scale(tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32), W_OFFSET)
         s1 += gw * tl.where(ok, (x - mean) * rstd, 0.0)
         s2 += gw
     tl.store(c1_ptr + row, tl.sum(s1, axis=0) / n)
@@ -106,18 +128,19 @@ def _norm_bwd_tiled_kernel(
     x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr, dres_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n, stride_x, stride_g, stride_dres, stride_dx,
     HAS_WEIGHT: tl.constexpr, CENTERED: tl.constexpr, ADD_DRES: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     """Tiled backward, pass 2, grid (column blocks, row groups): for each row of its group,
         dx = rstd * (gw - c2 - xhat * c1)  (+ dres, the residual's own gradient, when ADD_DRES)
-    and the weight (bias) gradient partials sum_rows g * xhat (sum_rows g) of its column block,
+    and the weight (bias) gradient partials sum_rows g * xhat (sum_rows g) of its column block
+    (d(W_OFFSET + w)/dw = 1, so dw is the same with Gemma's offset),
     kept in registers and written once, one row of the (row groups, n) partial buffers."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)           # (BLOCK_N,) this column block
     ok = cols < n
     group = tl.program_id(1)
     n_groups = tl.num_programs(1)
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        w = weight_scale(tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32), W_OFFSET)   # w, or 1 + w
     dw_acc = tl.zeros((BLOCK_N,), tl.float32)
     db_acc = tl.zeros((BLOCK_N,), tl.float32)
     for r in range(group, n_rows, n_groups):
@@ -146,10 +169,12 @@ def _norm_bwd_tiled_kernel(
         tl.store(db_part_ptr + part + cols, db_acc, mask=ok)
 
 
-def tiled_backward(x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bool, need_db: bool, dres2=None):
+def tiled_backward(x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bool, need_db: bool, dres2=None,
+                   weight_offset: float = 0.0):
     """The norm backward for rows wider than one block, on (rows, n) views: ``(dx2, dw_part, db_part)``.
 
-    ``mean`` is None for RMSNorm (no centring, no c2); ``dres2`` is added into dx. The partial
+    ``mean`` is None for RMSNorm (no centring, no c2); ``dres2`` is added into dx; the weight acts as
+    ``weight_offset + weight`` (Gemma's 1 + w). The partial
     buffers are (row groups, n) fp32, zero where not needed; :func:`sum_partials` adds them up.
     """
     n_rows, n = x2.shape
@@ -162,14 +187,14 @@ def tiled_backward(x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bo
     dw_part = torch.zeros((n_groups, n), dtype=torch.float32, device=dev)
     db_part = torch.zeros((n_groups, n), dtype=torch.float32, device=dev)
     dots, tiled = _tiled_backward_args(x2, weight, g2, mean, rstd, c1, c2, dx2, dw_part, db_part, launch,
-                                       need_dw=need_dw, need_db=need_db, dres2=dres2)
+                                       need_dw=need_dw, need_db=need_db, dres2=dres2, weight_offset=weight_offset)
     for kernel, grid, args, kwargs in (dots, tiled):
         kernel[grid](*args, **kwargs)
     return dx2, dw_part, db_part
 
 
 def _tiled_backward_args(x2, weight, g2, mean, rstd, c1, c2, dx2, dw_part, db_part, launch: RowLaunch, *,
-                         need_dw: bool, need_db: bool, dres2=None):
+                         need_dw: bool, need_db: bool, dres2=None, weight_offset: float = 0.0):
     """The two launches of :func:`tiled_backward`, each (kernel, grid, args, kwargs): the dots kernel,
     then the (column blocks, row groups) kernel, the row groups being ``dw_part``'s rows. Shared by
     the launcher and :func:`tiled_backward_launch_jobs`, so the AOT builds are the launches."""
@@ -178,17 +203,20 @@ def _tiled_backward_args(x2, weight, g2, mean, rstd, c1, c2, dx2, dw_part, db_pa
     w = weight if weight is not None else x2
     dots = (_norm_bwd_dots_kernel, (n_rows,),
             (x2, w, g2, mean if centered else rstd, rstd, c1, c2, n, x2.stride(0), g2.stride(0)),
-            dict(HAS_WEIGHT=weight is not None, CENTERED=centered, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+            dict(HAS_WEIGHT=weight is not None, CENTERED=centered, BLOCK_N=launch.block_n, W_OFFSET=weight_offset,
+                 num_warps=launch.num_warps))
     tiled = (_norm_bwd_tiled_kernel, (launch.col_blocks, dw_part.shape[0]),
              (x2, w, g2, mean if centered else rstd, rstd, c1, c2, g2 if dres2 is None else dres2, dx2, dw_part,
               db_part, n_rows, n, x2.stride(0), g2.stride(0), 0 if dres2 is None else dres2.stride(0), dx2.stride(0)),
              dict(HAS_WEIGHT=weight is not None, CENTERED=centered, ADD_DRES=dres2 is not None,
-                  NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=launch.block_n, num_warps=launch.num_warps))
+                  NEED_DW=need_dw, NEED_DB=need_db, BLOCK_N=launch.block_n, W_OFFSET=weight_offset,
+                  num_warps=launch.num_warps))
     return dots, tiled
 
 
 def tiled_backward_launch_jobs(label: str, x2, weight, g2, mean, rstd, launch: RowLaunch, *, need_dw: bool,
-                               need_db: bool, dres2=None, sms: int = 132, target: str = "sm90") -> list:
+                               need_db: bool, dres2=None, weight_offset: float = 0.0, sms: int = 132,
+                               target: str = "sm90") -> list:
     """``(label, TritonJob)`` of the two launches :func:`tiled_backward` makes on these (meta) tensors,
     on a GPU of ``sms`` SMs: the jobs of real launches (:func:`kernels.inspect.launch_job`)."""
     from kernels import inspect as ki
@@ -201,7 +229,8 @@ def tiled_backward_launch_jobs(label: str, x2, weight, g2, mean, rstd, launch: R
     part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)
     jobs = []
     for name, (kernel, grid, args, kwargs) in zip(("dots", "dx"), _tiled_backward_args(
-            x2, weight, g2, mean, rstd, c1, c2, dx2, part, part, launch, need_dw=need_dw, need_db=need_db, dres2=dres2)):
+            x2, weight, g2, mean, rstd, c1, c2, dx2, part, part, launch, need_dw=need_dw, need_db=need_db, dres2=dres2,
+            weight_offset=weight_offset)):
         jobs.append((f"{label} {name}", ki.launch_job(kernel, *args, target=target, grid=grid, **kwargs)))
     return jobs
 
