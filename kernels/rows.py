@@ -30,10 +30,14 @@ MAX_WARPS = 32          # 1024 threads: the most one CUDA block (one Triton prog
 @dataclass(frozen=True)
 class RowBudget:
     """What one kernel family can hold in registers: ``per_thread`` fp32 values of each row tile
-    per thread, and ``max_block``, the widest block (columns) that one program takes at once."""
+    per thread (warps are added until a thread holds that many, up to 32 warps), and ``max_block``,
+    the widest block (columns) that one program takes at once, measured at 32 warps, where a thread
+    may hold more than ``per_thread``. ``fp32_block``: the widest block for fp32 inputs, which take
+    twice the registers while they are loaded (None: half of ``max_block``)."""
 
     per_thread: int
     max_block: int
+    fp32_block: int | None = None
 
 
 # Measured for sm_90a on the launches' own specialisation (kernels.inspect.launch_job: strides and
@@ -45,6 +49,13 @@ class RowBudget:
 # 8192 columns and 32 warps exactly the 64 allowed, without spills, so its widest block is 8192.
 # (Without the hints the backward took 98 registers at 4096 and spilled at 8192: the rule was 4096.)
 FORWARD = RowBudget(per_thread=16, max_block=16384)
+# The softmax forward keeps one row tile and nothing per column beside it (no weight, no mean): at
+# 32768 columns and 32 warps (32 values a thread) it takes 63 registers in bf16, 61 in fp16 and 53 in
+# fp32 on sm_90a, without spills; its backward walks the row in blocks and takes 36 there. At 65536
+# columns in one block (64 values a thread) the forward spills (144 stack bytes). So a row of up to
+# 32768 (Llama 2's 32000-entry vocabulary, Mistral v0.3's 32768) is read once, not twice
+# (tests/test_row_kernels_aot.py compiles these launches and the spilling one).
+SOFTMAX = RowBudget(per_thread=16, max_block=32768, fp32_block=32768)
 BACKWARD = RowBudget(per_thread=8, max_block=8192)
 # Several short rows share one program up to this many elements per tile.
 TILE_ELEMENTS = 4096
@@ -74,14 +85,17 @@ def row_launch(n: int, dtype: torch.dtype, budget: RowBudget = FORWARD, *, n_row
     rows of a few hundred features in several blocks on the interpreter. The budget is stated for
     16-bit inputs; fp32 inputs take twice the registers while they are loaded (6 spilled values in
     the LayerNorm forward at 16384 fp32 columns, 32 warps), so their widest block is half as wide:
-    the same bytes per block, as in Triton's tutorial, whose limit is 64 KB over the element size.
+    the same bytes per block, as in Triton's tutorial, whose limit is 64 KB over the element size;
+    a budget whose compile shows otherwise states its own ``fp32_block`` (the softmax's).
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"row_launch: dtype must be float16, bfloat16 or float32, got {dtype}")
     if n < 1:
         raise ValueError(f"row_launch: n must be at least 1, got {n}")
     check_block_size("row_launch", block_size)
-    max_block = budget.max_block if torch.finfo(dtype).bits == 16 else budget.max_block // 2
+    max_block = budget.max_block
+    if torch.finfo(dtype).bits == 32:
+        max_block = budget.max_block // 2 if budget.fp32_block is None else budget.fp32_block
     if block_size is not None:
         max_block = block_size
     block_n = min(triton.next_power_of_2(n), max_block)
