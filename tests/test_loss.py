@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import elementwise, runtime
+from kernels import rows, runtime
 from kernels import inspect as ki
 from kernels.model import lm_head
 from kernels.model.lm_head import (
@@ -232,12 +232,12 @@ def test_terms_bad_inputs():
 
 @triton.jit
 def _elementwise_kernel(x_ptr, y_ptr, n, cap, FN: tl.constexpr, BLOCK: tl.constexpr):
-    """y = FN(x) over a flat tensor: "tanh" (kernels.elementwise.tanh), "softcap" (the loss kernel's
+    """y = FN(x) over a flat tensor: "tanh" (kernels.rows.tanh), "softcap" (the loss kernel's
     cap * tanh(x / cap)) or "sigmoid_softcap" (the former cap * (2 sigmoid(2x / cap) - 1), broken)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
     if FN == "tanh":
-        y = elementwise.tanh(x)
+        y = rows.tanh(x)
     elif FN == "softcap":
         y = lm_head._softcap(x, cap, 1.0 / cap)
     else:
