@@ -3,9 +3,12 @@ import kernels  # noqa: F401  (before triton)
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from kernels import runtime
+from kernels import rows, runtime
 from kernels import inspect as ki
+from kernels.model import lm_head
 from kernels.model.lm_head import (
     _ce_rows, aot_job, chunk_rows, cross_entropy, cross_entropy_ref, fused_linear_cross_entropy,
     fused_linear_cross_entropy_ref, launch_config,
@@ -225,6 +228,99 @@ def test_terms_bad_inputs():
         fused_linear_cross_entropy(h, w, t, softcap=0.0)
 
 
+# ---------------------------------------------------------------- the soft-cap's tanh against float64
+
+@triton.jit
+def _elementwise_kernel(x_ptr, y_ptr, n, cap, FN: tl.constexpr, BLOCK: tl.constexpr):
+    """y = FN(x) over a flat tensor: "tanh" (kernels.rows.tanh), "softcap" (the loss kernel's
+    cap * tanh(x / cap)) or "sigmoid_softcap" (the former cap * (2 sigmoid(2x / cap) - 1), broken)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    if FN == "tanh":
+        y = rows.tanh(x)
+    elif FN == "softcap":
+        y = lm_head._softcap(x, cap, 1.0 / cap)
+    else:
+        y = _sigmoid_softcap(x, cap, 1.0 / cap)
+    tl.store(y_ptr + offs, y, mask=offs < n)
+
+
+@triton.jit
+def _sigmoid_softcap(x, cap, inv_cap):
+    """The former soft-cap, tanh(u) = 2 sigmoid(2u) - 1: 2 sigmoid(2u) is near 1 for small u, and
+    subtracting 1 keeps only its absolute precision (broken on purpose)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * x * inv_cap) - 1.0)
+
+
+def _elementwise(x: torch.Tensor, fn: str, cap: float = 1.0) -> torch.Tensor:
+    y = torch.empty_like(x)
+    _elementwise_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), cap, FN=fn, BLOCK=4096)
+    return y
+
+
+def _max_err(y: torch.Tensor, ref: torch.Tensor, relative: bool = False) -> float:
+    err = (y.double() - ref).abs()
+    return float((err / ref.abs() if relative else err).max())
+
+
+def test_tanh_matches_float64_at_small_and_large_u():
+    """Small u (1e-7 to 0.55, both signs): the relative error, where 2 sigmoid(2u) - 1 fails, within 2x
+    torch.tanh's fp32 error. Large u (0.55 to 20): within 2 units in the last place (2**-22 relative;
+    torch.tanh is correctly rounded there, 0.5 unit, and 2 units is the accuracy CUDA's tanhf documents).
+    The ends: tanh(+-0) = 0, tanh(+-inf) = +-1, NaN stays NaN."""
+    small = torch.logspace(-7, -0.26, 1500)                     # up to 0.55
+    large = torch.linspace(0.55, 20.0, 1500)
+    for u, rel in ((torch.cat([small, -small]), True), (torch.cat([large, -large]), False)):
+        ref = torch.tanh(u.double())
+        ours, torch_err = _max_err(_elementwise(u, "tanh"), ref, rel), _max_err(torch.tanh(u), ref, rel)
+        if rel:
+            assert ours <= 2 * torch_err, (ours, torch_err)
+        else:
+            assert _max_err(_elementwise(u, "tanh"), ref, relative=True) <= 2.0 ** -22, ours
+    ends = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    got = _elementwise(ends, "tanh")
+    assert got[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and torch.isnan(got[4])
+
+
+SOFTCAP = 30.0   # Gemma 2's final-logit cap (hf2025gemma2config)
+
+
+def _softcap_errors(fn: str) -> dict:
+    """Max error against float64 of the capped logits (spreads 1 and 30: u ~ 0.03 and u ~ 1) and of the
+    cross-entropy gradient at V = 8 (seed 1234), for ``fn`` and for PyTorch's fp32 30 tanh(x / 30)."""
+    g = torch.Generator().manual_seed(1234)
+    out = {}
+    for spread in (1.0, 30.0):
+        x = torch.randn(4096, generator=g) * spread
+        ref = SOFTCAP * torch.tanh(x.double() / SOFTCAP)
+        out[f"logits, spread {spread:g}"] = (_max_err(_elementwise(x, fn, SOFTCAP), ref),
+                                             _max_err(SOFTCAP * torch.tanh(x / SOFTCAP), ref))
+    x, t = torch.randn(4, 8, generator=g), torch.randint(0, 8, (4,), generator=g)
+    torch_ce = lambda z, t: F.cross_entropy(SOFTCAP * torch.tanh(z / SOFTCAP), t)     # noqa: E731
+    _, d_ref = _loss_and_grad(torch_ce, x.double(), t)
+    _, d_torch = _loss_and_grad(torch_ce, x, t)
+    _, d_ours = _loss_and_grad(lambda z, t: cross_entropy(z, t, softcap=SOFTCAP), x, t)
+    out["gradient, V = 8"] = (_max_err(d_ours, d_ref), _max_err(d_torch, d_ref))
+    return out
+
+
+def test_softcap_is_within_twice_pytorchs_fp32_error():
+    """The soft-cap (the helper inside the loss kernel) and the loss's gradient against float64, each
+    within 2x the error of PyTorch's own fp32 30 tanh(x / 30)."""
+    for label, (ours, torch_err) in _softcap_errors("softcap").items():
+        assert ours <= 2 * torch_err, f"{label}: {ours:.2e} against PyTorch's {torch_err:.2e}"
+
+
+def test_sigmoid_tanh_is_caught(monkeypatch):
+    """The check can fail: with the former 2 sigmoid(2u) - 1 in the loss kernel, the capped logits of
+    spread 1 and the gradient are several times PyTorch's error."""
+    monkeypatch.setattr(lm_head, "_softcap", _sigmoid_softcap)   # the interpreter resolves it at launch
+    errors = _softcap_errors("sigmoid_softcap")
+    for label in ("logits, spread 1", "gradient, V = 8"):
+        ours, torch_err = errors[label]
+        assert ours > 4 * torch_err, (label, ours, torch_err)
+
+
 # ---------------------------------------------------------------- where the gradient goes
 
 def test_default_leaves_the_callers_logits_untouched():
@@ -303,6 +399,9 @@ def test_inplace_refuses_logits_it_cannot_overwrite_and_backward_runs_once():
 # ---------------------------------------------------------------- launch choices, compiled for sm_90a
 
 VOCABS = (32_000, 128_256, 151_936)   # Mistral 7B / Llama 2, Llama 3, Qwen2 (padded)
+# Liger-Kernel's cross-entropy launch (linkedin/Liger-Kernel@9a12d7e67dddd9c429323768f60c298face0fed3,
+# src/liger_kernel/ops/cross_entropy.py: MAX_FUSED_SIZE = 65536 // 2, num_warps=32)
+LIGER_BLOCK, LIGER_WARPS = 32768, 32
 GEMMA2_VOCAB = 256_000                 # Gemma 2 (hf2025gemma2config), which caps its final logits at 30
 
 
@@ -331,6 +430,9 @@ def ce_builds():
     cases["old: 4096, 4 warps"] = aot_job(128_256, block_v=4096, num_warps=4)
     cases["broken: 8192, 4 warps"] = aot_job(128_256, block_v=8192, num_warps=4)
     cases["broken: int32 rows"] = aot_job(128_256, int64_rows=False)
+    for dt in ("fp32", "bf16"):   # Liger-Kernel's launch (block 32768, 32 warps), and 8192 at 32 warps
+        cases[f"Liger {dt}: 32768, 32 warps"] = aot_job(128_256, dt, block_v=LIGER_BLOCK, num_warps=LIGER_WARPS)
+    cases["bf16: 8192, 32 warps"] = aot_job(128_256, "bf16", block_v=8192, num_warps=32)
     for V in (*VOCABS, GEMMA2_VOCAB):   # with both extra terms compiled in, as Gemma 2 would train
         cases[f"bf16 V={V} z-loss+softcap"] = aot_job(V, "bf16", z_loss=True, softcap=True)
     unique = {}
@@ -368,6 +470,19 @@ def test_spill_check_catches_a_spilling_launch(ce_builds):
     with pytest.raises(AssertionError):
         assert broken.spills == 0 and broken.metadata["stack_bytes"] == 0
     assert broken.spills > 100 and broken.metadata["stack_bytes"] > 0
+
+
+def test_liger_launch_spills_the_per_lane_accumulators(ce_builds):
+    """At Liger-Kernel's launch (BLOCK_SIZE = min(32768, next_pow2(V)), num_warps = 32) each of the 1024
+    threads holds 32 values of each of the kernel's four per-lane accumulators and of the block of
+    logits: 160 fp32 values against the 64 registers a thread may have at 32 warps, so it spills (in
+    fp32, as Liger's fused loss upcasts each chunk, and in bf16). A quarter of that block fits."""
+    for dt in ("fp32", "bf16"):
+        b = ce_builds[f"Liger {dt}: 32768, 32 warps"]
+        assert b.metadata["num_warps"] == LIGER_WARPS and b.metadata["registers"] <= 64
+        assert b.spills > 100 and b.metadata["stack_bytes"] > 256, ki.resource_table([(dt, b)])
+    fits = ce_builds["bf16: 8192, 32 warps"]
+    assert fits.spills == 0 and fits.metadata["stack_bytes"] == 0 and fits.metadata["registers"] <= 64
 
 
 def test_row_offsets_are_64_bit_in_the_ptx(ce_builds):

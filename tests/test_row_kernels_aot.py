@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.inspect import TritonJob, compile_triton_many
-from kernels.rows import BACKWARD, FORWARD, RowLaunch, row_launch
+from kernels.inspect import TritonJob, compile_triton_many, launch_job
+from kernels.rows import BACKWARD, FORWARD, SOFTMAX, RowLaunch, row_launch
 
 softmax_mod = importlib.import_module("kernels.softmax.online")
 ln_mod = importlib.import_module("kernels.norm.layer_norm")
@@ -63,6 +63,12 @@ def _cases() -> list[tuple[str, TritonJob]]:
             cases += [(f"{label} fp16", job) for label, job in mod.launch_jobs(n, torch.float16)]
     cases += [(f"{label} bf16", job) for label, job in rms_mod.launch_jobs(8192, torch.bfloat16)]
     cases += [(f"{label} bf16", job) for label, job in softmax_mod.launch_jobs(16384, torch.bfloat16)]
+    # The softmax holds rows of up to 32768 in one block: Llama 2's 32000-entry vocabulary, and 32768 in
+    # bf16 and fp32 (the widest one-block launch of each).
+    cases += [(f"{label} {name}", job) for n, dt, name in ((32000, torch.bfloat16, "bf16"),
+                                                           (32768, torch.bfloat16, "bf16"),
+                                                           (32768, torch.float32, "fp32"))
+              for label, job in softmax_mod.launch_jobs(n, dt)]
     cases += [(f"{label} fp32", job) for n in (8192, 16384) for label, job in ln_mod.launch_jobs(n, torch.float32)]
     cases += [(f"{label} fp16", job) for label, job in rms_mod.launch_jobs(65536, torch.float16)]
     # Gemma 3 27B (5376, bf16): (1 + w) in both norm modules, and the plain RMSNorm at the same width to price it
@@ -84,7 +90,11 @@ def _broken_cases() -> list[tuple[str, TritonJob]]:
     arn = dict(arn_mod.launch_jobs(4096, torch.float16))["add_rms_norm fwd 4096"]
     int32 = TritonJob(_add_rms_norm_int32_rows_kernel, arn.signature, constexprs=arn.constexprs,
                       num_warps=arn.num_warps, attrs=arn.attrs)
-    return [("old rms_norm bwd 16384, 8 warps", old_bwd), ("old add_rms_norm fwd, int32 rows", int32)]
+    x2 = torch.empty(4096, 65536, dtype=torch.bfloat16, device="meta")   # the softmax one block wider
+    kernel, grid, args, kwargs = softmax_mod._forward_args(x2, torch.empty_like(x2), RowLaunch(1, 65536, 32, 1))
+    wide = launch_job(kernel, *args, grid=grid, **kwargs)
+    return [("old rms_norm bwd 16384, 8 warps", old_bwd), ("old add_rms_norm fwd, int32 rows", int32),
+            ("old softmax fwd 65536 in one block, 32 warps", wide)]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +137,11 @@ def test_launch_rule_grows_warps_and_splits_wide_rows():
     assert row_launch(8192, torch.float16, BACKWARD).one_block                # Llama 2/3 70B: 3 passes, not 5
     assert row_launch(16384, torch.float16, BACKWARD).col_blocks == 2
     assert row_launch(300, torch.float32, n_rows=50).block_r == 8          # short rows share a program
-    assert FORWARD.max_block == 16384 and BACKWARD.max_block == 8192
+    assert FORWARD.max_block == 16384 and BACKWARD.max_block == 8192 and SOFTMAX.max_block == 32768
+    for dt in (torch.bfloat16, torch.float32):                             # the softmax: one block to 32768
+        assert row_launch(32768, dt, SOFTMAX).one_block and row_launch(32768, dt, SOFTMAX).num_warps == 32
+        assert row_launch(32769, dt, SOFTMAX).col_blocks == 2
+    assert row_launch(4096, torch.float16, SOFTMAX) == row_launch(4096, torch.float16, FORWARD)   # same warps below
     assert row_launch(16384, torch.float32).col_blocks == 2                 # fp32: half the block
     assert row_launch(8192, torch.float32, BACKWARD).col_blocks == 2      # fp32: half the block
 
@@ -161,9 +175,21 @@ def test_launches_compiled_are_the_launchers_own(builds):
 
 
 def test_broken_old_launches_spill(builds):
-    """The check can fail: the old whole-row launch of the backward spills at 16384 columns."""
-    b = builds["old rms_norm bwd 16384, 8 warps"][1]
-    assert b.spills > 0 and b.metadata["stack_bytes"] > 0
+    """The check can fail: the old whole-row launch of the backward spills at 16384 columns, and the
+    softmax held in one block one width past its limit (65536, 64 values a thread) spills."""
+    for label in ("old rms_norm bwd 16384, 8 warps", "old softmax fwd 65536 in one block, 32 warps"):
+        b = builds[label][1]
+        assert b.spills > 0 and b.metadata["stack_bytes"] > 0, label
+
+
+def test_softmax_holds_32768_columns_in_one_block(builds):
+    """Rows of 16385 to 32768 columns take the one-block kernel (2 passes, not the online kernel's 3):
+    the forward at 32768 and 32 warps needs at most the 64 registers a thread has there, in bf16 and
+    fp32, and Llama 2's 32000 columns compile to the same one-block kernel."""
+    for label in ("softmax fwd 32768 bf16", "softmax fwd 32768 fp32", "softmax fwd 32000 bf16"):
+        job, b = builds[label]
+        assert job.kernel is softmax_mod._softmax_kernel and b.metadata["num_warps"] == 32, label
+        assert b.metadata["registers"] <= 64 and b.spills == 0 and b.metadata["stack_bytes"] == 0, label
 
 
 def test_row_offsets_are_64_bit(builds):

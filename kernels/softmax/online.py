@@ -32,12 +32,13 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.rows import FORWARD, RowLaunch, as_rows, check_block_size, row_launch
+from kernels.rows import SOFTMAX, RowLaunch, as_rows, check_block_size, row_launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The launch comes from kernels.rows.row_launch: a row of at most FORWARD.max_block elements is held
-# in one block (one read of x, one write of y), several short rows to a program; a longer row is
-# walked in blocks with the online recurrence (two reads, one write). The backward uses the same rule.
+# The launch comes from kernels.rows.row_launch with the softmax's budget (kernels.rows.SOFTMAX): a row
+# of at most SOFTMAX.max_block = 32768 elements is held in one block (one read of x, one write of y),
+# several short rows to a program; a longer row is walked in blocks with the online recurrence (two
+# reads, one write). The backward uses the same rule.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,9 +240,9 @@ def _check_input(x, dim: int, name: str = "x") -> int:
 
 
 def launch(n_rows: int, n_cols: int, dtype: torch.dtype, block_size: int | None = None) -> RowLaunch:
-    """The launch of both directions (:func:`kernels.rows.row_launch` with the forward budget);
+    """The launch of both directions (:func:`kernels.rows.row_launch` with the softmax's budget);
     ``block_size``, a power of two, caps the block (the tests walk short rows in several blocks)."""
-    return row_launch(n_cols, dtype, FORWARD, n_rows=n_rows, block_size=block_size)
+    return row_launch(n_cols, dtype, SOFTMAX, n_rows=n_rows, block_size=block_size)
 
 
 def _forward_rows(x2: torch.Tensor, block_size: int | None) -> torch.Tensor:
