@@ -187,6 +187,28 @@ def test_optimizer_comparison_reproduces_its_logged_losses():
         assert again["train_loss"] == pytest.approx(best["train_loss"][:3], abs=1e-3), name
 
 
+def test_optimizer_seed_runs_reproduce_their_logged_losses():
+    """The committed seed spread: every optimizer's best rate again at other seeds, and the first three
+    steps of each seed's AdamW run re-run here give the logged losses (and differ from the sweep's seed)."""
+    from kernels.model import optimizers
+
+    results = json.loads(optimizers.RESULTS.read_text())
+    spread = json.loads(optimizers.SEED_RESULTS.read_text())
+    best = optimizers.best_runs(results)
+    assert len(spread["seeds"]) >= 2 and results["seed"] not in spread["seeds"]
+    assert sorted((r["optimizer"], r["seed"]) for r in spread["runs"]) == sorted(
+        (name, seed) for name in optimizers.SWEEP for seed in spread["seeds"])
+    assert all(r["peak_lr"] == best[r["optimizer"]]["peak_lr"] for r in spread["runs"])
+    torch.set_num_threads(spread["threads"])
+    for seed in spread["seeds"]:
+        logged = next(r for r in spread["runs"] if r["seed"] == seed and r["optimizer"] == "AdamW")
+        again = optimizers.run("AdamW", logged["peak_lr"], steps=3, schedule_steps=spread["steps"],
+                               batch_size=spread["batch_size"], eval_every=100, config=GPTConfig(),
+                               progress=False, seed=seed)
+        assert again["train_loss"] == pytest.approx(logged["train_loss"][:3], abs=1e-3), seed
+        assert again["train_loss"][0] != pytest.approx(best["AdamW"]["train_loss"][0], abs=1e-3)
+
+
 def test_unknown_optimizer_is_refused():
     from kernels.model import optimizers
 
