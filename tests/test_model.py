@@ -145,6 +145,33 @@ def test_bad_inputs(model):
         GPTConfig(d_model=130, n_head=4)
 
 
+def test_training_rerun_reproduces_the_committed_log():
+    """The committed checkpoint's training, re-run for its first steps with the committed recipe (same
+    seed, batches, schedule over the full run, one thread), gives the untrained validation loss and the
+    training losses of models/tiny-gpt/train_log.csv. The log is rounded to 5 decimals; the bound 1e-4
+    leaves room for another CPU's summation order, and is far below the 0.05-0.16 a step moves the loss."""
+    import csv
+
+    from kernels.model import train
+
+    logged = list(csv.DictReader(open(MODEL_DIR / "train_log.csv")))
+    steps = 4
+    _, rows = train.run(steps=steps, batch_size=METRICS["batch_size"], max_lr=METRICS["max_lr"],
+                        min_lr=METRICS["min_lr"], warmup=METRICS["warmup"], weight_decay=METRICS["weight_decay"],
+                        eval_every=METRICS["steps"], threads=METRICS["threads"], config=GPTConfig(),
+                        schedule_steps=METRICS["steps"], progress=False)
+    assert rows[0]["val_loss"] == pytest.approx(float(logged[0]["val_loss"]), abs=1e-4)
+    again = [r["train_loss"] for r in rows[1:]]
+    assert again == pytest.approx([float(r["train_loss"]) for r in logged[1: steps + 1]], abs=1e-4)
+    assert [r["lr"] for r in rows[1:]] == pytest.approx([float(r["lr"]) for r in logged[1: steps + 1]], abs=1e-12)
+    # The check can fail: with the peak rate doubled, step 2 (the first after an update) leaves the bound.
+    _, off = train.run(steps=2, batch_size=METRICS["batch_size"], max_lr=2 * METRICS["max_lr"],
+                       min_lr=METRICS["min_lr"], warmup=METRICS["warmup"], weight_decay=METRICS["weight_decay"],
+                       eval_every=METRICS["steps"], threads=METRICS["threads"], config=GPTConfig(),
+                       schedule_steps=METRICS["steps"], progress=False)
+    assert off[2]["train_loss"] != pytest.approx(float(logged[2]["train_loss"]), abs=1e-4)
+
+
 def test_optimizer_comparison_reproduces_its_logged_losses():
     """The committed optimizer comparison: a sweep of every optimizer, and the first three steps of
     each optimizer's best run re-run here give the logged training losses."""
@@ -158,6 +185,28 @@ def test_optimizer_comparison_reproduces_its_logged_losses():
         again = optimizers.run(name, best["peak_lr"], steps=3, schedule_steps=results["steps"],
                                batch_size=results["batch_size"], eval_every=100, config=GPTConfig(), progress=False)
         assert again["train_loss"] == pytest.approx(best["train_loss"][:3], abs=1e-3), name
+
+
+def test_optimizer_seed_runs_reproduce_their_logged_losses():
+    """The committed seed spread: every optimizer's best rate again at other seeds, and the first three
+    steps of each seed's AdamW run re-run here give the logged losses (and differ from the sweep's seed)."""
+    from kernels.model import optimizers
+
+    results = json.loads(optimizers.RESULTS.read_text())
+    spread = json.loads(optimizers.SEED_RESULTS.read_text())
+    best = optimizers.best_runs(results)
+    assert len(spread["seeds"]) >= 2 and results["seed"] not in spread["seeds"]
+    assert sorted((r["optimizer"], r["seed"]) for r in spread["runs"]) == sorted(
+        (name, seed) for name in optimizers.SWEEP for seed in spread["seeds"])
+    assert all(r["peak_lr"] == best[r["optimizer"]]["peak_lr"] for r in spread["runs"])
+    torch.set_num_threads(spread["threads"])
+    for seed in spread["seeds"]:
+        logged = next(r for r in spread["runs"] if r["seed"] == seed and r["optimizer"] == "AdamW")
+        again = optimizers.run("AdamW", logged["peak_lr"], steps=3, schedule_steps=spread["steps"],
+                               batch_size=spread["batch_size"], eval_every=100, config=GPTConfig(),
+                               progress=False, seed=seed)
+        assert again["train_loss"] == pytest.approx(logged["train_loss"][:3], abs=1e-3), seed
+        assert again["train_loss"][0] != pytest.approx(best["AdamW"]["train_loss"][0], abs=1e-3)
 
 
 def test_unknown_optimizer_is_refused():

@@ -27,6 +27,7 @@ from kernels.model.gpt import GPT, GPTConfig, MODEL_DIR
 from kernels.model.train import SEED, evaluate, lr_at, param_groups, validation_slice
 
 RESULTS = MODEL_DIR / "optimizers.json"
+SEED_RESULTS = MODEL_DIR / "optimizer_seeds.json"
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1          # AdamW only: the other three run without any decay
 
@@ -55,15 +56,15 @@ SWEEP = {
 
 
 def run(name: str, peak_lr: float, *, steps: int, batch_size: int, eval_every: int, config: GPTConfig,
-        schedule_steps: int | None = None, progress: bool = True) -> dict:
+        schedule_steps: int | None = None, progress: bool = True, seed: int = SEED) -> dict:
     """One training run of ``steps`` steps on a schedule of ``schedule_steps`` (default: ``steps``;
     a shorter re-run of the first steps keeps the full run's schedule); returns the per-step
-    training losses and the validation curve."""
+    training losses and the validation curve. ``seed`` draws both the initialization and the batches."""
     total = schedule_steps or steps
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     train_tokens, _ = data.train_val_split(data.encode(data.load_text()))
     val_x, val_y = validation_slice(config)
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(seed)
     model = GPT(config)
     opt = make_optimizer(name, model, peak_lr)
     train_loss, val_curve = [], []
@@ -81,7 +82,7 @@ def run(name: str, peak_lr: float, *, steps: int, batch_size: int, eval_every: i
         train_loss.append(round(loss.item(), 5))
         if step % eval_every == 0 or step == steps:
             val_curve.append([step, round(evaluate(model, val_x, val_y), 5)])
-    return {"optimizer": name, "peak_lr": peak_lr, "train_loss": train_loss, "val_loss": val_curve}
+    return {"optimizer": name, "peak_lr": peak_lr, "seed": seed, "train_loss": train_loss, "val_loss": val_curve}
 
 
 def race(*, steps: int, batch_size: int, eval_every: int, threads: int = 1) -> dict:
@@ -94,6 +95,30 @@ def race(*, steps: int, batch_size: int, eval_every: int, threads: int = 1) -> d
             "seed": SEED, "threads": threads, "torch": torch.__version__, "betas": list(BETAS),
             "weight_decay_adamw": WEIGHT_DECAY, "grad_clip": 1.0, "seconds": round(time.perf_counter() - start, 1),
             "command": "python -m kernels.model.optimizers", "runs": runs}
+
+
+def seed_runs(results: dict, seeds: tuple[int, ...]) -> dict:
+    """Each optimizer's best peak learning rate (chosen on the sweep's seed) again at other seeds:
+    new initialization and new batch order, everything else as in the sweep. Gives the spread a
+    comparison between optimizers must be read against."""
+    torch.set_num_threads(results["threads"])
+    config = GPTConfig()
+    start = time.perf_counter()
+    runs = [run(name, best["peak_lr"], steps=results["steps"], batch_size=results["batch_size"],
+                eval_every=results["eval_every"], config=config, seed=seed)
+            for name, best in best_runs(results).items() for seed in seeds]
+    return {"steps": results["steps"], "batch_size": results["batch_size"], "eval_every": results["eval_every"],
+            "seeds": list(seeds), "threads": results["threads"], "torch": torch.__version__,
+            "seconds": round(time.perf_counter() - start, 1),
+            "command": "python -m kernels.model.optimizers --seeds " + " ".join(map(str, seeds)), "runs": runs}
+
+
+def final_losses_by_seed(results: dict, seeds_results: dict) -> dict[str, list[float]]:
+    """Final validation loss of each optimizer's best run, the sweep's seed first, then the other seeds."""
+    finals = {name: [r["val_loss"][-1][1]] for name, r in best_runs(results).items()}
+    for r in seeds_results["runs"]:
+        finals[r["optimizer"]].append(r["val_loss"][-1][1])
+    return finals
 
 
 def best_runs(results: dict) -> dict[str, dict]:
@@ -111,7 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help=f"re-run each optimizer's best rate of {RESULTS.name} at these seeds, into {SEED_RESULTS.name}")
     args = p.parse_args(argv)
+    if args.seeds:
+        spread = seed_runs(json.loads(RESULTS.read_text()), tuple(args.seeds))
+        SEED_RESULTS.write_text(json.dumps(spread) + "\n")
+        for name, finals in final_losses_by_seed(json.loads(RESULTS.read_text()), spread).items():
+            print(f"{name:16} final validation loss by seed: {', '.join(f'{v:.3f}' for v in finals)}")
+        print(f"wrote {SEED_RESULTS} ({spread['seconds']:.0f} s)")
+        return 0
     results = race(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every)
     args.out.write_text(json.dumps(results) + "\n")
     for name, r in best_runs(results).items():

@@ -82,8 +82,13 @@ def validation_slice(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return data.fixed_windows(val, VAL_WINDOWS, config.block_size)
 
 
-def train(out_dir: Path, *, steps: int, batch_size: int, max_lr: float, min_lr: float, warmup: int,
-          weight_decay: float, eval_every: int, threads: int, config: GPTConfig) -> dict:
+def run(*, steps: int, batch_size: int, max_lr: float, min_lr: float, warmup: int, weight_decay: float,
+        eval_every: int, threads: int, config: GPTConfig, schedule_steps: int | None = None,
+        progress: bool = True) -> tuple[GPT, list[dict]]:
+    """The training loop: ``steps`` steps of the recipe on a schedule of ``schedule_steps`` (default
+    ``steps``; a re-run of the first steps keeps the full run's schedule). Returns the model and the
+    log rows (step 0 holds the untrained model's validation loss)."""
+    total = schedule_steps or steps
     torch.manual_seed(SEED)
     torch.set_num_threads(threads)
     tokens = data.encode(data.load_text())
@@ -93,15 +98,14 @@ def train(out_dir: Path, *, steps: int, batch_size: int, max_lr: float, min_lr: 
 
     model = GPT(config)
     opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=max_lr, betas=(0.9, 0.95), eps=1e-8)
-    out_dir.mkdir(parents=True, exist_ok=True)
     log_rows = []
     start = time.perf_counter()
     initial_val = evaluate(model, val_x, val_y)
     log_rows.append({"step": 0, "tokens": 0, "train_loss": "", "val_loss": round(initial_val, 5),
                      "lr": 0.0, "elapsed_s": 0.0})
-    bar = tqdm(range(1, steps + 1), desc="training tiny-gpt", unit="step")
+    bar = tqdm(range(1, steps + 1), desc="training tiny-gpt", unit="step", disable=not progress)
     for step in bar:
-        lr = lr_at(step - 1, max_lr=max_lr, min_lr=min_lr, warmup=warmup, total=steps)
+        lr = lr_at(step - 1, max_lr=max_lr, min_lr=min_lr, warmup=warmup, total=total)
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = data.get_batch(train_tokens, batch_size, config.block_size, gen)
@@ -119,7 +123,18 @@ def train(out_dir: Path, *, steps: int, batch_size: int, max_lr: float, min_lr: 
             row["val_loss"] = round(evaluate(model, val_x, val_y), 5)
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{row['val_loss']:.3f}")
         log_rows.append(row)
+    return model, log_rows
 
+
+def train(out_dir: Path, *, steps: int, batch_size: int, max_lr: float, min_lr: float, warmup: int,
+          weight_decay: float, eval_every: int, threads: int, config: GPTConfig) -> dict:
+    """Runs the loop and writes the checkpoint, the log and the metrics into ``out_dir``."""
+    start = time.perf_counter()
+    model, log_rows = run(steps=steps, batch_size=batch_size, max_lr=max_lr, min_lr=min_lr, warmup=warmup,
+                          weight_decay=weight_decay, eval_every=eval_every, threads=threads, config=config)
+    initial_val = log_rows[0]["val_loss"]
+    val_x, val_y = validation_slice(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()
     val_loss = evaluate(model, val_x, val_y)
     seconds = time.perf_counter() - start
