@@ -11,7 +11,7 @@ import triton.language as tl
 from kernels import inspect as kinspect
 from kernels.mlp import gated as mlp
 from kernels import runtime
-from kernels.mlp import equal_params as eq
+from kernels.model import glu_equal_params as eq
 from kernels.mlp.gated import (
     LlamaMLP, fuse_gate_up, geglu, geglu_ref, llama_hidden_size, llama_mlp_fused_ref, llama_mlp_ref, mlp_parameters, reglu,
     reglu_ref, swiglu, swiglu_fused, swiglu_fused_ref, swiglu_ref,

@@ -1,6 +1,6 @@
 """Does the gate help at equal parameters? A next-byte experiment, run once and committed.
 
-``python -m kernels.mlp.equal_params`` trains a small next-byte model on the Shakespeare text whose
+``python -m kernels.model.glu_equal_params`` trains a small next-byte model on the Shakespeare text whose
 only difference between arms is its MLP block, at equal weights (98,304 in the block):
 
     plain (h = 384):  gelu, silu, relu2      y = phi(x W_1^T) W_2^T           2 * 128 * 384 weights
@@ -10,7 +10,8 @@ Every arm starts from the same seed and sees the same batches in the same order,
 the learning rate of the chapter (3e-3) and, for GELU and SwiGLU, at 1e-3 and 1e-2 as well. The run
 writes :data:`RUN` (validation curves, the first training losses of each run); the chapter reads it
 and never trains, and ``tests/test_mlp.py`` re-runs the first steps of one arm against the log.
-About 40 s on one core.
+About 40 s on one core. It lives in the training package beside the optimizer comparison
+(kernels.model imports kernels.mlp for the GPT's SwiGLU, so the experiment cannot sit in kernels.mlp).
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def run(progress: bool = True) -> dict:
     plan = [(arm, seed, LR) for seed in SEEDS for arm in ARMS]
     plan += [(arm, seed, lr) for lr in LR_SWEEP["lrs"] for seed in SEEDS for arm in LR_SWEEP["arms"]]
     runs = [fit(arm, seed, lr, train_tok, val_x, val_y, progress=progress) for arm, seed, lr in plan]
-    return {"command": "python -m kernels.mlp.equal_params", "threads": 1, "d": D, "hidden": HIDDEN, "arms": ARMS,
+    return {"command": "python -m kernels.model.glu_equal_params", "threads": 1, "d": D, "hidden": HIDDEN, "arms": ARMS,
             "settings": SETTINGS, "seeds": list(SEEDS), "lr": LR, "lr_sweep": LR_SWEEP, "runs": runs}
 
 
