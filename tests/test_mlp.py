@@ -1,5 +1,7 @@
 """kernels.mlp.gated: the fused GLU-family kernels (forward and backward), the LLaMA MLP and the 2/3 rule."""
 import kernels  # noqa: F401  (before triton)
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,9 +11,10 @@ import triton.language as tl
 from kernels import inspect as kinspect
 from kernels.mlp import gated as mlp
 from kernels import runtime
+from kernels.model import glu_equal_params as eq
 from kernels.mlp.gated import (
     LlamaMLP, fuse_gate_up, geglu, geglu_ref, llama_hidden_size, llama_mlp_fused_ref, llama_mlp_ref, mlp_parameters, reglu,
-    reglu_ref, swiglu, swiglu_ref,
+    reglu_ref, swiglu, swiglu_fused, swiglu_fused_ref, swiglu_ref,
 )
 from kernels.testing import MismatchError, assert_close, nan_canary
 
@@ -133,32 +136,53 @@ def test_two_thirds_rule_keeps_parameters_equal(d):
 
 
 def test_llama_mlp_module_matches_reference_and_trains():
+    """The module (one merged gate/up GEMM, the fused-layout SwiGLU) against the two-GEMM reference in
+    float64: output, the gradient of x, and the gradients of gate, up (the merged weight's halves) and down."""
     torch.manual_seed(0)
     m = LlamaMLP(48, hidden=128).to(DEVICE)
+    assert m.gate_up_proj.weight.shape == (256, 48)
     x = _t((2, 5, 48), seed=4).requires_grad_()
     y = m(x)
-    ws = [p.detach().double().requires_grad_() for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
+    w_g, w_u = m.gate_up_proj.weight.detach().double().chunk(2)
+    ws = [w.clone().requires_grad_() for w in (w_g, w_u, m.down_proj.weight.detach().double())]
     x64 = x.detach().double().requires_grad_()
     y_ref = llama_mlp_ref(x64, *ws)
     assert_close(y, y_ref, dtype=torch.float32, name="LlamaMLP")
     dy = _t(y.shape, seed=5)
     y.backward(dy)
     y_ref.backward(dy.double())
-    for p, w in zip((m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight), ws):
-        assert_close(p.grad, w.grad, dtype=torch.float32, baseline=None, name="weight grad")
+    assert_close(m.gate_up_proj.weight.grad, torch.cat([ws[0].grad, ws[1].grad]), dtype=torch.float32, baseline=None,
+                 name="gate/up weight grad")
+    assert_close(m.down_proj.weight.grad, ws[2].grad, dtype=torch.float32, baseline=None, name="down weight grad")
     assert_close(x.grad, x64.grad, dtype=torch.float32, name="x grad")
     with pytest.raises(ValueError, match="d_model=48"):
         m(torch.ones(2, 47, device=DEVICE))
 
 
-def test_geglu_compiles_for_gpus():
-    """erf and exp are libdevice/MUFU calls on a GPU, untested by the interpreter: compile the backward
-    (which has both) for sm90 and check the exp became ex2.approx."""
-    build = kinspect.compile_triton(
-        mlp._glu_bwd_kernel,
-        {"gate_ptr": "*fp16", "up_ptr": "*fp16", "dh_ptr": "*fp16", "dgate_ptr": "*fp16", "dup_ptr": "*fp16", "n": "i32"},
-        arch="sm90", constexprs={"ACTIVATION": "gelu", "BLOCK": 1024},
-    )
+@pytest.fixture(scope="module")
+def aot():
+    """One compile for the module (sm_90a, the GPU launches): the GELU backward of the separate-tensor
+    kernel, and the fused-layout SwiGLU forward and backward at Llama 3 8B (4096 tokens, h = 14336)."""
+    entries = [e for e in mlp.launch_jobs(torch.float16) if e[0] == "glu bwd gelu"] + mlp.fused_launch_jobs(torch.float16)
+    builds = kinspect.compile_triton_many([job for _, job in entries], archs=("sm90",))
+    return {label: b["sm90"] for (label, _), b in zip(entries, builds)}
+
+
+def test_fused_layout_compiles_at_llama3_8b_width_without_spills(aot):
+    """Reading gate and up by stride from one (T, 2h) row costs nothing in registers: no spills, each
+    thread's 8 halves in one 16-byte load, and rows * stride computed in 64 bits."""
+    for label in ("glu fused-layout fwd silu", "glu fused-layout bwd silu"):
+        b = aot[label]
+        assert b.spills == 0 and b.metadata["stack_bytes"] == 0, label
+        assert b.metadata["num_warps"] == 4, label
+        assert sorted({w for w in b.ptx.split() if w.startswith("ld.global")}) == ["ld.global.v4.b32"], label
+        assert re.search(r"arith\.extsi %stride_gu : i32 to i64", b.ttgir), label
+
+
+def test_geglu_compiles_for_gpus(aot):
+    """erf and exp are libdevice/MUFU calls on a GPU, untested by the interpreter: the GELU backward
+    (which has both) compiled for sm90 from its GPU launch turns the exp into ex2.approx."""
+    build = aot["glu bwd gelu"]
     assert build.families("ptx")["ex2.approx"] > 0
     assert "MUFU.EX2" in build.sass
 
@@ -276,3 +300,118 @@ def test_fused_gate_up_bad_shapes_refused():
         fuse_gate_up(torch.zeros(4, 3), torch.zeros(5, 3))
     with pytest.raises(ValueError, match="w_gate_up"):
         llama_mlp_fused_ref(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(3, 2))
+
+
+# ---------------------------------------------------------------------------------------------- the fused (T, 2h) layout
+
+def _fused_check(gu, dh, gu_in=None, dh_in=None, block_size=None):
+    """swiglu_fused against swiglu_fused_ref's autograd (float64 for fp32 inputs, fp32 otherwise);
+    ``gu_in``/``dh_in`` are the same values as strided views (NaN canaries), handed to the kernel."""
+    wide = torch.float64 if gu.dtype == torch.float32 else torch.float32
+    x = (gu.clone() if gu_in is None else gu_in).detach().requires_grad_()    # detach keeps a view's strides
+    h = swiglu_fused(x, block_size=block_size)
+    (dgu,) = torch.autograd.grad(h, x, dh if dh_in is None else dh_in)
+    r = gu.to(wide).requires_grad_()
+    h_ref = swiglu_fused_ref(r)
+    (dgu_ref,) = torch.autograd.grad(h_ref, r, dh.to(wide))
+    assert h.shape == dh.shape and dgu.shape == gu.shape and h.dtype == dgu.dtype == gu.dtype
+    assert_close(h, h_ref, dtype=gu.dtype, name="swiglu_fused h")
+    assert_close(dgu, dgu_ref, dtype=gu.dtype, name="swiglu_fused dgate_up")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, block", [((1, 2), None), ((37, 90), None), ((2, 5, 2 * 45), 16), ((3, 2 * 1100), None)])
+def test_fused_layout_forward_backward(shape, block, dtype):
+    """Masked tails in both directions (37 rows over tiles of 16, 45 columns over blocks of 16, 1100 over
+    1024), leading dimensions, and every input a view inside NaN-padded rows (row stride > 2h)."""
+    half = (*shape[:-1], shape[-1] // 2)
+    gu, dh = _t(shape, dtype, 3.0), _t(half, dtype, seed=1)
+    _fused_check(gu, dh, gu_in=nan_canary(gu, rows=True), dh_in=nan_canary(dh, rows=True), block_size=block)
+
+
+def test_fused_layout_equals_the_split_kernel_on_views():
+    """Reading the halves by stride gives what the separate-tensor kernel gives on the copied halves."""
+    gu = _t((9, 2 * 40), scale=3.0)
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.equal(swiglu_fused(gu), swiglu(gate, up))
+
+
+@triton.jit
+def _fused_fwd_swapped_halves_kernel(gu_ptr, h_ptr, T, H, stride_gu, stride_h, ACTIVATION: tl.constexpr,
+                                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < T) & (cols[None, :] < H)
+    first = gu_ptr + rows[:, None] * stride_gu + cols[None, :]
+    u = tl.load(first, mask=mask, other=0.0).to(tl.float32)           # BROKEN: up read from the first half
+    g = tl.load(first + H, mask=mask, other=0.0).to(tl.float32)       # and gate from the second (MulAndSilu)
+    h = mlp._act(g, ACTIVATION) * u
+    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_bwd_swapped_halves_kernel(gu_ptr, dh_ptr, dgu_ptr, T, H, stride_gu, stride_dh, stride_dgu,
+                                     ACTIVATION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < T) & (cols[None, :] < H)
+    gate = gu_ptr + rows[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate + H, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = mlp._act_and_grad(g, ACTIVATION)
+    dgate = dgu_ptr + rows[:, None] * stride_dgu + cols[None, :]
+    tl.store(dgate + H, (dh * u * da).to(dgu_ptr.dtype.element_ty), mask=mask)   # BROKEN: d gate into up's half
+    tl.store(dgate, (dh * a).to(dgu_ptr.dtype.element_ty), mask=mask)           # and d up into gate's
+
+
+def test_fused_layout_swapped_halves_are_caught(monkeypatch):
+    """The mistake a merged weight invites: gate and up swapped (vLLM's MulAndSilu order, or a
+    checkpoint's shards loaded reversed), in the forward, then in the gradient's halves."""
+    gu, dh = _t((7, 2 * 45), scale=3.0), _t((7, 45), seed=1)
+    _fused_check(gu, dh, block_size=16)
+    with monkeypatch.context() as mp:
+        mp.setattr(mlp, "_glu_fused_fwd_kernel", _fused_fwd_swapped_halves_kernel)
+        with pytest.raises(MismatchError, match="swiglu_fused h"):
+            _fused_check(gu, dh, block_size=16)
+    monkeypatch.setattr(mlp, "_glu_fused_bwd_kernel", _fused_bwd_swapped_halves_kernel)
+    with pytest.raises(MismatchError, match="swiglu_fused dgate_up"):
+        _fused_check(gu, dh, block_size=16)
+
+
+def test_fused_layout_bad_input_refused():
+    with pytest.raises(ValueError, match=r"even last dimension, got shape \(3, 5\)"):
+        swiglu_fused(torch.ones(3, 5, device=DEVICE))
+    with pytest.raises(TypeError, match="dtype torch.int32"):
+        swiglu_fused(torch.ones(3, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="gate_up must be a torch.Tensor"):
+        swiglu_fused([1.0, 2.0])
+    with pytest.raises(ValueError, match="power of two"):
+        swiglu_fused(torch.ones(3, 4, device=DEVICE), block_size=24)
+    assert swiglu_fused(torch.empty(0, 6, device=DEVICE)).shape == (0, 3)
+
+
+# ---------------------------------------------------------------------------------------------- the committed run
+
+def test_equal_params_run_reproduces_its_first_steps():
+    """Re-run the first 10 steps of the SwiGLU arm (seed 0, the chapter's learning rate): the training
+    losses match the committed log; every run holds 98,304 block weights and a full curve."""
+    results = eq.load()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(results["threads"])
+    try:
+        train_tok, val_x, val_y = eq.splits()
+        again = eq.fit("swiglu", 0, results["lr"], train_tok, val_x, val_y, steps=results["settings"]["head_steps"])
+    finally:
+        torch.set_num_threads(threads)
+    logged = next(r for r in results["runs"] if (r["arm"], r["seed"], r["lr"]) == ("swiglu", 0, results["lr"]))
+    assert again["train_head"] == pytest.approx(logged["train_head"], abs=1e-4)
+    assert {r["block_weights"] for r in results["runs"]} == {98_304}
+    n_curve = results["settings"]["steps"] // results["settings"]["eval_every"]
+    assert all(len(r["val"]) == n_curve for r in results["runs"])
+    assert len(results["runs"]) == len(results["seeds"]) * (len(eq.ARMS) + 2 * len(results["lr_sweep"]["lrs"]))
+
+
+def test_equal_params_model_refuses_unknown_arm():
+    with pytest.raises(ValueError, match="arm must be one of"):
+        eq.NextByte("tanh")

@@ -18,6 +18,11 @@ move), and the backward recomputes act(gate) instead of storing it:
     d up   = dh * act(gate)
     d gate = dh * up * act'(gate)
 
+Production computes gate and up with one GEMM on the concatenated (2h, d) weight [W_gate; W_up]
+and hands the activation its (T, 2h) output (vLLM's MergedColumnParallelLinear and SiluAndMul):
+:func:`swiglu_fused` reads gate at column j and up at column h + j of each row, by stride, and its
+backward writes d gate and d up into one (T, 2h) gradient, the one the merged GEMM's backward takes.
+
 The matrix products stay in PyTorch (``llama_mlp_ref``, :class:`LlamaMLP`); the GEMM chapters
 cover them.
 """
@@ -29,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.rows import RowBudget, check_block_size, warps_for
+from kernels.rows import RowBudget, as_rows, check_block_size, warps_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -90,6 +95,13 @@ def llama_mlp_fused_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     x, w_gate_up, w_down = (_wide(t) for t in (x, w_gate_up, w_down))
     gate, up = (x @ w_gate_up.T).chunk(2, dim=-1)                      # (T, 2h) -> two (T, h) views
     return (F.silu(gate) * up) @ w_down.T
+
+
+def swiglu_fused_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from the (..., 2h) output of the merged gate/up GEMM: gate is the first h
+    columns, up the last h (vLLM's SiluAndMul). fp32 (float64 kept), returned wide, (..., h)."""
+    gate, up = _wide(gate_up).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def llama_hidden_size(d_model: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None) -> int:
@@ -176,6 +188,39 @@ def _glu_bwd_kernel(gate_ptr, up_ptr, dh_ptr, dgate_ptr, dup_ptr, n, ACTIVATION:
     tl.store(dgate_ptr + offs, (dh * u * da).to(dgate_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _glu_fused_fwd_kernel(gu_ptr, h_ptr, T, H, stride_gu, stride_h, ACTIVATION: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """h[t, j] = act(gu[t, j]) * gu[t, H + j]: gate and up are the two halves of each row of the
+    (T, 2H) merged GEMM output, read by stride; a (BLOCK_T, BLOCK_H) tile per program."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)   # int64: rows * stride may pass 2**31
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < T) & (cols[None, :] < H)                         # (BLOCK_T, BLOCK_H)
+    gate = gu_ptr + rows[:, None] * stride_gu + cols[None, :]                # gate: column j of row t
+    g = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate + H, mask=mask, other=0.0).to(tl.float32)               # up: column H + j, same row
+    h = _act(g, ACTIVATION) * u
+    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_fused_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, T, H, stride_gu, stride_dh, stride_dgu,
+                          ACTIVATION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """d gu[t, j] = dh up act'(gate) and d gu[t, H + j] = dh act(gate): the gradient of the (T, 2H)
+    merged GEMM output in the same layout, act recomputed from gate."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < T) & (cols[None, :] < H)
+    gate = gu_ptr + rows[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate + H, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACTIVATION)
+    dgate = dgu_ptr + rows[:, None] * stride_dgu + cols[None, :]
+    tl.store(dgate, (dh * u * da).to(dgu_ptr.dtype.element_ty), mask=mask)  # d gate: column j
+    tl.store(dgate + H, (dh * a).to(dgu_ptr.dtype.element_ty), mask=mask)   # d up: column H + j
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 
@@ -189,6 +234,33 @@ def launch(block_size: int | None = None, *, on_gpu: bool | None = None) -> tupl
     gpu = runtime.runtime().on_gpu if on_gpu is None else on_gpu
     block = block_size or (1024 if gpu else 8192)
     return block, warps_for(block, GLU_BUDGET)
+
+
+def launch_fused(hidden: int, block_size: int | None = None, *, on_gpu: bool | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, num_warps)`` of the fused-layout kernels. On a GPU one row segment of 1024
+    columns a program with 4 warps, 8 elements a thread, as :func:`launch` (Llama 3 8B's h = 14336 is
+    14 programs a row); on the interpreter 16 rows by up to 1024 columns, fewer and larger programs.
+    ``block_size`` overrides BLOCK_H (a power of two)."""
+    gpu = runtime.runtime().on_gpu if on_gpu is None else on_gpu
+    block_h = block_size or min(triton.next_power_of_2(max(hidden, 16)), 1024)
+    block_t = 1 if gpu else 16
+    return block_t, block_h, warps_for(block_t * block_h, GLU_BUDGET)
+
+
+def _fused_forward_args(gu, h, activation: str, block_t: int, block_h: int, warps: int):
+    """(grid, args, kwargs) of the fused-layout forward over (T, 2H) ``gu`` into (T, H) ``h``."""
+    T, H = h.shape
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    return grid, (gu, h, T, H, gu.stride(0), h.stride(0)), dict(ACTIVATION=activation, BLOCK_T=block_t,
+                                                               BLOCK_H=block_h, num_warps=warps)
+
+
+def _fused_backward_args(gu, dh, dgu, activation: str, block_t: int, block_h: int, warps: int):
+    """(grid, args, kwargs) of the fused-layout backward: (T, 2H) ``gu``, (T, H) ``dh`` into (T, 2H) ``dgu``."""
+    T, H = dh.shape
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    return grid, (gu, dh, dgu, T, H, gu.stride(0), dh.stride(0), dgu.stride(0)), dict(
+        ACTIVATION=activation, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
 
 
 def _forward_args(g, u, h, activation: str, block: int, warps: int):
@@ -222,10 +294,26 @@ def launch_jobs(dtype: torch.dtype = torch.float16, tokens: int = 4096, hidden: 
     return jobs
 
 
+def fused_launch_jobs(dtype: torch.dtype = torch.float16, tokens: int = 4096, hidden: int = 14336) -> list:
+    """``(label, TritonJob)`` of :func:`swiglu_fused`'s forward and backward on a GPU, reading the
+    (tokens, 2 hidden) merged GEMM output (Llama-3-8B's 4096 x 28672 by default), on meta tensors."""
+    from kernels import inspect as ki
+
+    gu = torch.empty(tokens, 2 * hidden, dtype=dtype, device="meta")   # [gate | up] of each token
+    h = torch.empty(tokens, hidden, dtype=dtype, device="meta")        # h, and dh in the backward
+    block_t, block_h, warps = launch_fused(hidden, on_gpu=True)
+    grid, args, kwargs = _fused_forward_args(gu, h, "silu", block_t, block_h, warps)
+    fwd = ki.launch_job(_glu_fused_fwd_kernel, *args, grid=grid, **kwargs)
+    grid, args, kwargs = _fused_backward_args(gu, h, gu, "silu", block_t, block_h, warps)
+    bwd = ki.launch_job(_glu_fused_bwd_kernel, *args, grid=grid, **kwargs)
+    return [("glu fused-layout fwd silu", fwd), ("glu fused-layout bwd silu", bwd)]
+
+
 def compile_jobs() -> dict:
-    """Llama-3-8B's MLP (4096 tokens x 14336 hidden), fp16 and bf16: the forward and backward of every activation."""
+    """Llama-3-8B's MLP (4096 tokens x 14336 hidden), fp16 and bf16: the forward and backward of every
+    activation on separate gate and up tensors, and SwiGLU's on the (4096, 28672) merged GEMM output."""
     return {f"Llama-3-8B 4096 x 14336 {str(dt).removeprefix('torch.')}: {label}": job
-            for dt in (torch.float16, torch.bfloat16) for label, job in launch_jobs(dt)}
+            for dt in (torch.float16, torch.bfloat16) for label, job in launch_jobs(dt) + fused_launch_jobs(dt)}
 
 
 def _check(fn: str, gate, up) -> None:
@@ -299,10 +387,58 @@ def reglu(gate: torch.Tensor, up: torch.Tensor, *, block_size: int | None = None
     return _glu("reglu", gate, up, "relu", block_size)
 
 
-class LlamaMLP(torch.nn.Module):
-    """LLaMA's feed-forward block, ``down(swiglu(gate(x), up(x)))``, with the fused Triton SwiGLU.
+class _GLUFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu, activation, block_size):
+        H = gu.shape[-1] // 2
+        gu2 = as_rows(gu)                              # (T, 2H) with unit column stride; row stride kept
+        h = torch.empty(gu2.shape[0], H, dtype=gu.dtype, device=gu.device)
+        block_t, block_h, warps = launch_fused(H, block_size)
+        if h.numel():
+            grid, args, kwargs = _fused_forward_args(gu2, h, activation, block_t, block_h, warps)
+            _glu_fused_fwd_kernel[grid](*args, **kwargs)
+        ctx.save_for_backward(gu2)
+        ctx.activation, ctx.block_size, ctx.shape = activation, block_size, gu.shape
+        return h.view(*gu.shape[:-1], H)
 
-    ``hidden`` defaults to :func:`llama_hidden_size` (the 2/3 rule). No biases, as in LLaMA.
+    @staticmethod
+    def backward(ctx, dh):
+        (gu2,) = ctx.saved_tensors
+        H = gu2.shape[1] // 2
+        dh2 = as_rows(dh.to(gu2.dtype))
+        dgu = torch.empty(gu2.shape, dtype=gu2.dtype, device=gu2.device)   # (T, 2H): [d gate | d up]
+        block_t, block_h, warps = launch_fused(H, ctx.block_size)
+        if dgu.numel():
+            grid, args, kwargs = _fused_backward_args(gu2, dh2, dgu, ctx.activation, block_t, block_h, warps)
+            _glu_fused_bwd_kernel[grid](*args, **kwargs)
+        return dgu.view(ctx.shape), None, None
+
+
+def swiglu_fused(gate_up: torch.Tensor, *, block_size: int | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` from the (..., 2h) output of the merged gate/up GEMM, in Triton;
+    differentiable. Gate is the first h columns, up the last h (concatenated, as vLLM's
+    MergedColumnParallelLinear lays them out); rows may have any stride (no copy), columns must be
+    contiguous or are copied. Returns (..., h) in the input's dtype; the gradient is (..., 2h)."""
+    if not isinstance(gate_up, torch.Tensor):
+        raise TypeError(f"swiglu_fused: gate_up must be a torch.Tensor, got {type(gate_up).__name__}")
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_fused: gate_up must be (..., 2 * hidden) with an even last dimension, "
+                         f"got shape {tuple(gate_up.shape)}")
+    if gate_up.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"swiglu_fused: gate_up has dtype {gate_up.dtype}; supported: float16, bfloat16, float32")
+    if gate_up.device.type != runtime.device().type:
+        raise ValueError(f"swiglu_fused: gate_up is on {gate_up.device}, kernels run on {runtime.device()} here")
+    check_block_size("swiglu_fused", block_size, minimum=16)
+    return _GLUFused.apply(gate_up, "silu", block_size)
+
+
+class LlamaMLP(torch.nn.Module):
+    """LLaMA's feed-forward block as production runs it: one GEMM on the merged (2h, d) gate/up
+    weight, the fused-layout SwiGLU on its (T, 2h) output, then the down projection.
+
+    ``gate_up_proj.weight`` is :func:`fuse_gate_up` of a checkpoint's gate_proj and up_proj weights
+    (vLLM's MergedColumnParallelLinear, gate shard 0, up shard 1). ``hidden`` defaults to
+    :func:`llama_hidden_size` (the 2/3 rule). No biases, as in LLaMA.
     """
 
     def __init__(self, d_model: int, hidden: int | None = None, *, multiple_of: int = 256,
@@ -311,11 +447,10 @@ class LlamaMLP(torch.nn.Module):
         self.d_model = d_model
         self.hidden = hidden if hidden is not None else llama_hidden_size(d_model, multiple_of)
         kw = {"bias": False, "dtype": dtype, "device": device}
-        self.gate_proj = torch.nn.Linear(d_model, self.hidden, **kw)
-        self.up_proj = torch.nn.Linear(d_model, self.hidden, **kw)
+        self.gate_up_proj = torch.nn.Linear(d_model, 2 * self.hidden, **kw)    # weight (2h, d): [W_gate; W_up]
         self.down_proj = torch.nn.Linear(self.hidden, d_model, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"LlamaMLP: x must end in d_model={self.d_model} features, got shape {tuple(x.shape)}")
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu_fused(self.gate_up_proj(x)))              # (..., 2h) -> (..., h) -> (..., d)
