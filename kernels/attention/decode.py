@@ -525,23 +525,28 @@ def group_rows(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
-def gpu_tiles(group: int, head_dim: int, block_s: int | None = None) -> DecodeTiles:
+def gpu_tiles(group: int, head_dim: int, block_s: int | None = None, *, causal: bool = False) -> DecodeTiles:
     """The GPU launch for a group of ``group`` tile rows (query heads per K/V head, times the new
     queries per sequence when there are several) of dimension ``head_dim``: 128 cache
     positions per iteration at D <= 64, 64 above (the same halving as FlashAttention-2's split-KV
     tiles), 4 warps (8 from 64 group rows on: a 128-row group at 4 warps spills on sm_80), 3 stages
-    (2 at D > 128, to stay within 100 KiB of shared memory)."""
+    (2 at D > 128, to stay within 100 KiB of shared memory). ``causal`` (several new queries): at 128
+    rows the positions per iteration halve, since the per-row causal end takes the 64-position tile at
+    D = 128 to 255 registers with spills on sm_80 (tests/test_decode_attention.py's AOT builds)."""
     block_g, block_d = group_rows(group), max(16, triton.next_power_of_2(head_dim))
-    return DecodeTiles(block_g, block_s or (128 if block_d <= 64 else 64), block_d,
+    default_s = 128 if block_d <= 64 else 64
+    if causal and block_g >= 128:
+        default_s //= 2
+    return DecodeTiles(block_g, block_s or default_s, block_d,
                        8 if block_g >= 64 else 4, 3 if block_d <= 128 else 2)
 
 
-def default_tiles(group: int, head_dim: int, block_s: int | None = None) -> DecodeTiles:
+def default_tiles(group: int, head_dim: int, block_s: int | None = None, *, causal: bool = False) -> DecodeTiles:
     """:func:`gpu_tiles` on a GPU; under the interpreter ``block_s`` defaults to 64 (one stage)."""
     if runtime.runtime().interpreted:
         t = gpu_tiles(group, head_dim, block_s or INTERPRETER_BLOCK_S)
         return DecodeTiles(t.block_g, t.block_s, t.block_d, 4, 1)
-    return gpu_tiles(group, head_dim, block_s)
+    return gpu_tiles(group, head_dim, block_s, causal=causal)
 
 
 # The paged kernel (kernels.attention.paged) still reduces the group on CUDA cores: its per-tile
@@ -650,7 +655,7 @@ def _single_pass(q, k_cache, v_cache, cache_seqlens, *, block_s: int | None, mas
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)      # (B, Hq, D) or (B, Hq, T, D)
     if B == 0 or Hq == 0:
         return out
-    tiles = default_tiles(_tile_rows_needed(q, k_cache), q.shape[-1], block_s)
+    tiles = default_tiles(_tile_rows_needed(q, k_cache), q.shape[-1], block_s, causal=query_len(q) > 1)
     grid, args, kwargs = _single_pass_args(q, k_cache, v_cache, cache_seqlens, out, tiles, mask_length=mask_length,
                                            causal_slack=causal_slack)
     _decode_attention_kernel[grid](*args, **kwargs)
@@ -673,7 +678,7 @@ def split_partials(q, k_cache, v_cache, cache_seqlens, num_splits: int, *, block
     flags = torch.zeros((B, Hkv, num_splits), dtype=torch.int32, device=q.device)
     if B * Hq == 0:
         return m, l, o, flags
-    tiles = default_tiles(_tile_rows_needed(q, k_cache), D, block_s)
+    tiles = default_tiles(_tile_rows_needed(q, k_cache), D, block_s, causal=query_len(q) > 1)
     grid, args, kwargs = _split_args(q, k_cache, v_cache, cache_seqlens, m, l, o, flags, num_splits, tiles,
                                      mask_length=mask_length, unified=unified, causal_slack=causal_slack)
     _decode_split_kernel[grid](*args, **kwargs)
@@ -778,7 +783,7 @@ def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 1, cache_len: i
     q = torch.empty(*rows, head_dim, dtype=dtype, device="meta")
     k = torch.empty(batch, hkv, cache_len, head_dim, dtype=dtype, device="meta")
     lens = torch.empty(batch, dtype=torch.int32, device="meta")
-    tiles = tiles or gpu_tiles(q_len * (hq // hkv), head_dim)
+    tiles = tiles or gpu_tiles(q_len * (hq // hkv), head_dim, causal=q_len > 1)
     if num_splits is None:
         num_splits = choose_num_splits(batch, hkv, cache_len, H100_SMS)
     if num_splits == 1 and not unified:
