@@ -1,4 +1,4 @@
-"""Decode attention: one new query token per sequence against that sequence's KV cache.
+"""Decode attention: one new query token (or a few) per sequence against that sequence's KV cache.
 
 During generation each step adds one token per sequence. Its query attends to every cached key of
 its own sequence, and sequences in a batch have different lengths:
@@ -23,6 +23,16 @@ and the registers hold two MMA accumulators, not a group x BLOCK_S x D product. 
 2 * L_b * Hkv * D elements of cache per sequence: decode attention is a stream over the cache, bound
 by memory bandwidth (about 1 FLOP per byte in fp16 per query head; the padding rows of a small group
 multiply zeros on tensor cores that would otherwise idle).
+
+Several new queries per sequence (a speculative verification of T - 1 drafts, a prefill chunk of T
+tokens against a cache): q (B, Hq, T, D), whose keys are already written at the cache's last T
+positions, so query t of sequence b sees keys 0 .. L_b - T + t (causal within the new queries):
+
+    o[b, h, t] = sum_{j <= L_b - T + t} softmax_j(q[b, h, t] . k[b, g(h), j] / sqrt(D)) v[b, g(h), j]
+
+The program's tile rows become the T * Hq / Hkv (new query, group head) pairs (:func:`_tile_rows`),
+each with its own causal end (:func:`_causal_end`), so every K/V tile still serves all of them; at
+Llama-3-8B's group of 4 a verification of 3 drafts fills the 16 rows the one-query tile pads to.
 
 Two launches, picked by ``num_splits``:
 
