@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels import inspect as ki
 from kernels import runtime
-from kernels.attention import choose_num_splits, decode_attention, decode_attention_ref
+from kernels.attention import choose_num_splits, decode_attention, decode_attention_ref, flash_decode
 from kernels.attention import decode as dec
 from kernels.attention.decode import _kv_offset, _launch
 from kernels.testing import MismatchError, assert_close, nan_canary
@@ -176,6 +176,104 @@ def test_large_groups_match_reference(B, Hq, Hkv, S, D, lens, num_splits, dtype)
                  baseline=_baseline(q, k, v, L), name=f"decode_attention, group {Hq // Hkv}")
 
 
+# ----------------------------------------------------------------------------------------------
+# Several new queries per sequence (q (B, Hq, T, D)): a speculative verification of T - 1 drafts, or a
+# prefill chunk, whose keys are the cache's last T positions; query t sees keys 0 .. L - T + t.
+
+def _new_query_case(B, Hq, Hkv, S, D, T, dtype, lens, seed=0):
+    q, k, v, L = _case(B, Hq, Hkv, S, D, dtype, lens, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(B, Hq, T, D, generator=g).to(DEVICE, dtype), k, v, L
+
+
+def _sdpa_new_queries(q, k, v, lens):
+    """SDPA per sequence with the equivalent boolean mask (key j visible to query t iff j <= L - T + t),
+    in q's dtype: the independent reference and PyTorch's own error for the baseline rule."""
+    B, Hq, T, D = q.shape
+    group = Hq // k.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):
+        L = int(lens[b])
+        kb, vb = (x[b, :, :L].repeat_interleave(group, 0) for x in (k, v))
+        mask = torch.arange(L, device=q.device)[None, :] <= (L - T + torch.arange(T, device=q.device))[:, None]
+        out[b] = torch.nn.functional.scaled_dot_product_attention(q[b], kb, vb, attn_mask=mask)
+    return out
+
+
+NEW_QUERY_CASES = [
+    (3, 6, 2, 60, 40, 5, [5, 37, 60]),       # group 3 x 5 queries = 15 rows; a cache of exactly T; masked tails
+    (2, 4, 1, 20, 16, 2, [2, 13]),           # MQA, group 4 x 2 = 8 rows; caches shorter than one 16-block
+    (1, 2, 2, 33, 8, 1, [33]),               # T = 1 in the four-dimensional form
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,T,lens", NEW_QUERY_CASES)
+def test_new_queries_match_reference(B, Hq, Hkv, S, D, T, lens, num_splits, dtype):
+    """With 3 splits a 5-position cache makes chunks of 2: queries 0 and 1 (positions 0, 1) see
+    nothing of the last two chunks, whose partials for them are empty rows the combine drops."""
+    q, k, v, L = _new_query_case(B, Hq, Hkv, S, D, T, dtype, lens)
+    got = decode_attention(nan_canary(q), nan_canary(k), nan_canary(v), L, num_splits=num_splits, block_s=16)
+    ref = decode_attention_ref(q.float(), k.float(), v.float(), L)
+    assert got.shape == (B, Hq, T, D) and got.dtype == dtype and not torch.isnan(got).any()
+    assert_close(ref, _sdpa_new_queries(q.double(), k.double(), v.double(), L).float(), dtype=torch.float32)
+    assert_close(got, ref, dtype=dtype, baseline=_sdpa_new_queries(q, k, v, L),
+                 name=f"decode_attention, {T} new queries, {num_splits} splits")
+
+
+def test_new_queries_are_successive_decode_steps():
+    """Verifying gamma = 3 drafts in one call equals 4 one-query decodes at lengths L - 3 .. L (what the
+    target model would compute token by token), and row t of causal attention over the whole sequence."""
+    q, k, v, L = _new_query_case(2, 8, 2, 40, 16, 4, torch.float32, [40, 23], seed=5)
+    out = decode_attention(q, k, v, L, block_s=16)
+    for t in range(4):
+        assert_close(out[:, :, t], decode_attention(q[:, :, t].contiguous(), k, v, L - 3 + t, block_s=16))
+    full = torch.nn.functional.scaled_dot_product_attention(       # sequence 0: its 4 queries are rows 36..39
+        torch.cat([torch.zeros(1, 8, 36, 16), q[:1]], 2), *(x[:1].repeat_interleave(4, 1) for x in (k, v)),
+        is_causal=True)
+    assert_close(out[:1], full[:, :, 36:])
+
+
+def test_one_new_query_is_the_one_query_kernel():
+    """q (B, Hq, 1, D) runs the same kernel as q (B, Hq, D) (no causal rows): the same bits."""
+    q, k, v, L = _case(3, 6, 2, 100, 40, torch.float32, [2, 1, 77])
+    for splits in (1, 3):
+        one = decode_attention(q, k, v, L, num_splits=splits, block_s=16)
+        assert torch.equal(decode_attention(q[:, :, None], k, v, L, num_splits=splits, block_s=16)[:, :, 0], one)
+
+
+@pytest.mark.parametrize("num_splits,slack", [(1, 1), (3, 1), (1, 1 << 20)])
+def test_broken_causal_limit_is_caught(num_splits, slack):
+    """Each new query seeing one key too many (the next draft's: an off-by-one in the causal end), or
+    every key (no causal limit within the new queries), is caught; the keys it reads are finite and
+    inside the cache, so only the values are wrong. The same launch with slack 0 passes."""
+    q, k, v, L = _new_query_case(2, 4, 2, 30, 16, 4, torch.float32, [30, 9], seed=2)
+    ref = decode_attention_ref(q, k, v, L)
+    broken = _launch(q, k, v, L, num_splits=num_splits, block_s=16, mask_length=True, causal_slack=slack)
+    assert torch.isfinite(broken).all()
+    with pytest.raises(MismatchError):
+        assert_close(broken, ref, name=f"decode_attention, causal end {slack} too far")
+    assert_close(broken[:, :, -1], ref[:, :, -1])         # the last query sees the whole cache either way
+    assert_close(_launch(q, k, v, L, num_splits=num_splits, block_s=16, mask_length=True), ref)
+
+
+def test_new_queries_bad_inputs_raise_clear_errors():
+    q, k, v, L = _new_query_case(2, 4, 2, 16, 8, 4, torch.float32, [4, 9])
+    with pytest.raises(ValueError, match=r"T=4 new queries .* a length 3 < T"):
+        decode_attention(q, k, v, L - 1)
+    with pytest.raises(ValueError, match=r"at least one new query per sequence, got T=0"):
+        decode_attention(q[:, :, :0], k, v, L)
+    with pytest.raises(ValueError, match=r"T \* Hq / Hkv = 65 \* 2 = 130 rows"):
+        decode_attention(torch.zeros(2, 4, 65, 8, device=DEVICE), k, v, torch.full((2,), 16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"q must be \(B, Hq, D\) or \(B, Hq, T, D\)"):
+        decode_attention(q[None], k, v, L)
+    with pytest.raises(ValueError, match=r"flash_decode: q must be \(B, Hq, D\), got"):
+        flash_decode(q, k, v, L, num_splits=2)           # FlashDecoding's chapter API: one query
+    with pytest.raises(ValueError, match="one query per sequence"):
+        dec.launch_job(32, 8, 128, q_len=4, unified=True)
+
+
 def test_tiles_put_the_group_on_the_tensor_core_rows():
     """BLOCK_G: the group padded to >= 16 rows; 128-position tiles at D <= 64 and 64 above, 3 stages,
     8 warps from 64 rows on (the AOT builds below); the interpreter takes 64 positions and one stage."""
@@ -184,6 +282,8 @@ def test_tiles_put_the_group_on_the_tensor_core_rows():
     assert dec.gpu_tiles(71, 64) == dec.DecodeTiles(128, 128, 64, 8, 3)
     assert dec.gpu_tiles(2, 256) == dec.DecodeTiles(16, 64, 256, 4, 2)
     assert dec.gpu_tiles(8, 40, block_s=32).block_s == 32 and dec.gpu_tiles(8, 40).block_d == 64
+    assert dec.gpu_tiles(128, 128, causal=True) == dec.DecodeTiles(128, 32, 128, 8, 3)    # 16 queries x group 8
+    assert dec.gpu_tiles(16, 128, causal=True) == dec.gpu_tiles(16, 128)
     if runtime.runtime().interpreted:
         assert dec.default_tiles(4, 128) == dec.DecodeTiles(16, 64, 128, 4, 1)
 
@@ -314,6 +414,9 @@ def test_batch_offsets_are_int64():
 
 AOT_GROUPS = (1, 8, 24, 48, 71, 128)
 AOT_ARCHS = ("sm80", "sm90")
+# What the causal rows add per thread, measured (tests below): at 16 rows, -2 to +2 registers in the
+# single pass and 0 (sm_80) or 34 (sm_90a: 104 -> 138) in the split kernel; no shared memory.
+NEW_QUERY_EXTRA_REGS = 40
 
 
 def _aot_cases():
@@ -323,6 +426,11 @@ def _aot_cases():
             cases[f"single pass, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, batch=32, num_splits=1)  # 8 K/V heads
             cases[f"split x64, group {g}, D={d}"] = dec.launch_job(8 * g, 8, d, num_splits=dec.MAX_SPLITS)
     cases["split unified max, group 8, D=128"] = dec.launch_job(64, 8, 128, num_splits=dec.MAX_SPLITS, unified=True)
+    # several new queries (causal rows): Llama-3-8B verifying gamma = 3 drafts (4 x group 4 = 16 rows, the
+    # tile of "group 8" above), and the largest tile, 16 queries x group 8 = 128 rows
+    cases["single pass, 4 new queries x group 4, D=128"] = dec.launch_job(32, 8, 128, batch=32, num_splits=1, q_len=4)
+    cases["split x64, 4 new queries x group 4, D=128"] = dec.launch_job(32, 8, 128, num_splits=dec.MAX_SPLITS, q_len=4)
+    cases["single pass, 16 new queries x group 8, D=128"] = dec.launch_job(64, 8, 128, batch=32, num_splits=1, q_len=16)
     cases["combine, 64 splits, D=128"] = dec.combine_job(1, 32, dec.MAX_SPLITS, 128)
     # broken on purpose: 64 group rows x 128 positions x D=128 at 4 warps does not fit the registers
     cases["oversized: group 64, BLOCK_S=128, 4 warps"] = dec.launch_job(
@@ -359,6 +467,22 @@ def test_the_group_runs_on_tensor_cores(aot_builds):
             b = aot_builds[f"single pass, group {g}, D={d}"]
             assert b["sm80"].tensor_core == "HMMA"
             assert b["sm90"].tensor_core == ("HGMMA" if dec.group_rows(g) >= 64 else "HMMA")
+
+
+def test_new_queries_cost_no_shared_memory_and_few_registers(aot_builds):
+    """The causal rows reuse the one-query tile: 4 new queries x group 4 fill the 16 rows that group 8
+    fills, with the same shared memory, on tensor cores, and the per-row causal end costs at most
+    NEW_QUERY_EXTRA_REGS registers per thread; the 128-row tile (16 queries x group 8, 32 positions per
+    iteration: gpu_tiles(causal=True)) runs on wgmma on sm_90a like the 128-head group."""
+    for kind in ("single pass", "split x64"):
+        new, one = aot_builds[f"{kind}, 4 new queries x group 4, D=128"], aot_builds[f"{kind}, group 8, D=128"]
+        for arch in AOT_ARCHS:
+            assert new[arch].metadata["shared_bytes"] == one[arch].metadata["shared_bytes"], (kind, arch)
+            assert new[arch].tensor_core == one[arch].tensor_core == "HMMA"
+            extra = new[arch].metadata["registers"] - one[arch].metadata["registers"]
+            assert extra <= NEW_QUERY_EXTRA_REGS, f"{kind} {arch}: {extra} more registers"
+    big = aot_builds["single pass, 16 new queries x group 8, D=128"]
+    assert big["sm90"].tensor_core == "HGMMA" and big["sm80"].tensor_core == "HMMA"
 
 
 def test_spill_check_catches_an_oversized_tile(aot_builds):
