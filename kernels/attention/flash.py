@@ -537,10 +537,15 @@ def _blocks(nq: int, nk: int, d: int, block_m: int | None, block_n: int | None, 
 #   tiles spill with 2 stages (18 STL+LDL on sm_80, 28 on sm_90a at 8 warps): 32 query rows by 64 keys
 #   at 8 warps; at D <= 64, 64 x 32 at 4 warps.
 # * dQ: 64 x 64, 4 warps (8 at D = 128); it does not spill at 64 rows (179 registers on sm_90a).
+# * D = 256 (and 192, which runs as 256), measured with the soft-cap and the window on (Gemma 2 9B),
+#   the most registers: the D = 128 tiles spill (forward 128 x 64: 143 STL+LDL on sm_80; dK/dV 32 x 64:
+#   2046 on sm_80, 137 on sm_90a). The forward takes 64 x 32 at 8 warps (64 x 32 at 4 warps spills on
+#   sm_80 once the cap is on), dK/dV 16 x 32 at 8 warps (its two fp32 accumulators are 32 x 256 each),
+#   dQ 64 x 32 at 8 warps.
 # ``block_m`` / ``block_n`` given by the caller apply to every kernel.
-FWD_TILE = {64: (128, 64, 8), 128: (128, 64, 8), 256: (128, 64, 8)}   # BLOCK_M, BLOCK_N, warps by padded head dim
-DKDV_TILE = {64: (64, 32, 4), 128: (32, 64, 8), 256: (32, 64, 8)}
-DQ_TILE = {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 64, 8)}
+FWD_TILE = {64: (128, 64, 8), 128: (128, 64, 8), 256: (64, 32, 8)}   # BLOCK_M, BLOCK_N, warps by padded head dim
+DKDV_TILE = {64: (64, 32, 4), 128: (32, 64, 8), 256: (16, 32, 8)}
+DQ_TILE = {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 32, 8)}
 GPU_STAGES = 2
 
 
@@ -549,10 +554,14 @@ def _tile_key(d: int) -> int:
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
-def _tiles(nq: int, nk: int, d: int, block_m, block_n, default: tuple[int, int, int]) -> Tiles:
+def _tiles(nq: int, nk: int, d: int, block_m, block_n, default: tuple[int, int, int], stages: int | None = None) -> Tiles:
+    """The table's tile clipped to the problem; warps shrink with the tile's area (a problem smaller
+    than the tile), so at real sizes the launch is the table's. ``stages`` None: the device's."""
     bm, bn, bd = _blocks(nq, nk, d, block_m, block_n, default_m=default[0], default_n=default[1])
-    stages = 1 if runtime.runtime().interpreted else GPU_STAGES
-    return Tiles(bm, bn, bd, max(1, min(default[2], bm // 16)), stages)   # at most one warp per 16 rows
+    if stages is None:
+        stages = 1 if runtime.runtime().interpreted else GPU_STAGES
+    shrink = max(1, (default[0] * default[1]) // (bm * bn))
+    return Tiles(bm, bn, bd, max(1, default[2] // shrink), stages)
 
 
 def fwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None) -> Tiles:
@@ -787,8 +796,7 @@ def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 
     slopes = torch.empty(hq, device="meta") if alibi else None
 
     def gpu(default):
-        bm, bn, bd = _blocks(seq, seq, head_dim, None, None, default_m=default[0], default_n=default[1])
-        return Tiles(bm, bn, bd, default[2], GPU_STAGES)
+        return _tiles(seq, seq, head_dim, None, None, default, stages=GPU_STAGES)
     key = _tile_key(head_dim)
     fwd = fwd or gpu(FWD_TILE[key])
     bwd = bwd or {"dkdv": gpu(DKDV_TILE[key]), "dq": gpu(DQ_TILE[key])}
@@ -802,12 +810,24 @@ def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 
     return jobs
 
 
+# Gemma 2 9B's local layers: 16 query heads, 8 K/V heads, head dim 256, scores capped at 50, a window
+# of 4096 (its global layers are the same without the window). DeepSeek-V3's prefill head dim 192
+# (Q/K; V is 128 there, and this kernel takes one head dim for all three) runs this D = 256 build.
+GEMMA2_9B = dict(hq=16, hkv=8, head_dim=256, softcap=50.0, window=4096)
+
+
 def compile_jobs() -> dict:
-    """Forward, dK/dV and dQ at :data:`REAL_CONFIGS` (batch 1, 8192 tokens, causal), and with ALiBi at D = 128."""
+    """Forward, dK/dV and dQ at :data:`REAL_CONFIGS` (batch 1, 8192 tokens, causal), with ALiBi at D = 128,
+    and at :data:`GEMMA2_9B` (D = 256, soft-cap, window) with and without its two options."""
     jobs = {}
     for label, hq, hkv, d in REAL_CONFIGS:
         for part, job in launch_jobs(hq, hkv, d).items():
             jobs[f"{label} prefill {part}, D={d}"] = job
     for part, job in launch_jobs(32, 8, 128, alibi=True).items():
         jobs[f"Llama-3-8B-sized ALiBi prefill {part}, D=128"] = job
+    g = GEMMA2_9B
+    for part, job in launch_jobs(g["hq"], g["hkv"], g["head_dim"], softcap=g["softcap"], window=g["window"]).items():
+        jobs[f"Gemma-2-9B local prefill {part}, D=256, cap 50, window 4096"] = job
+    for part, job in launch_jobs(g["hq"], g["hkv"], g["head_dim"]).items():
+        jobs[f"Gemma-2-9B-sized plain prefill {part}, D=256"] = job
     return jobs
