@@ -515,6 +515,8 @@ def test_compile_jobs_are_the_launch():
     gemma = jobs[f"{GEMMA} dkdv{GEMMA_TAIL}"]
     assert (gemma.constexprs["BLOCK_M"], gemma.constexprs["BLOCK_N"], gemma.num_warps) == flash_mod.DKDV_TILE[256]
     assert gemma.constexprs["SOFTCAP"] and gemma.constexprs["HAS_WINDOW"] and gemma.constexprs["SKIP_OUTSIDE"]
+    g27 = jobs["Gemma-2-27B local prefill fwd, D=128, cap 50, window 4096"]
+    assert (g27.constexprs["BLOCK_M"], g27.constexprs["BLOCK_N"], g27.num_warps) == flash_mod.OPTION_TILE[("fwd", 128)]
     # what the launcher itself picks at that size is what compile_jobs built (warps included)
     tiles = flash_mod.bwd_tiles(8192, 8192, 256)["dkdv"]
     assert (tiles.block_m, tiles.block_n, tiles.num_warps) == flash_mod.DKDV_TILE[256]

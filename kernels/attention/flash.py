@@ -546,12 +546,22 @@ def _blocks(nq: int, nk: int, d: int, block_m: int | None, block_n: int | None, 
 FWD_TILE = {64: (128, 64, 8), 128: (128, 64, 8), 256: (64, 32, 8)}   # BLOCK_M, BLOCK_N, warps by padded head dim
 DKDV_TILE = {64: (64, 32, 4), 128: (32, 64, 8), 256: (16, 32, 8)}
 DQ_TILE = {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 32, 8)}
+# With the soft-cap or the window on (a tanh, or one more comparison, per score), two of the D <= 128
+# launches spill on sm_80: the forward at D = 128 (128 x 64: 49 STL+LDL with the cap, 22 with the
+# window) and dQ at D = 64 (64 x 64, 4 warps: 45 with both). They take half as many keys per step.
+OPTION_TILE = {("fwd", 128): (128, 32, 8), ("dq", 64): (64, 32, 4)}
 GPU_STAGES = 2
 
 
 def _tile_key(d: int) -> int:
     """The row of the tile tables a head dim uses: 64 up to 64, 128 up to 128, 256 beyond (192 runs as 256)."""
     return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def _table_tile(kernel: str, table: dict, d: int, options: bool) -> tuple[int, int, int]:
+    """The (BLOCK_M, BLOCK_N, warps) of ``kernel`` at head dim d; ``options``: soft-cap or window on."""
+    key = _tile_key(d)
+    return OPTION_TILE.get((kernel, key), table[key]) if options else table[key]
 
 
 def _tiles(nq: int, nk: int, d: int, block_m, block_n, default: tuple[int, int, int], stages: int | None = None) -> Tiles:
@@ -564,16 +574,18 @@ def _tiles(nq: int, nk: int, d: int, block_m, block_n, default: tuple[int, int, 
     return Tiles(bm, bn, bd, max(1, default[2] // shrink), stages)
 
 
-def fwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None) -> Tiles:
-    """The forward's launch (:data:`FWD_TILE`), clipped to the problem by :func:`_blocks`."""
-    return _tiles(nq, nk, d, block_m, block_n, FWD_TILE[_tile_key(d)])
+def fwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None, *,
+              options: bool = False, stages: int | None = None) -> Tiles:
+    """The forward's launch (:data:`FWD_TILE`, :data:`OPTION_TILE` with ``options``), clipped to the problem."""
+    return _tiles(nq, nk, d, block_m, block_n, _table_tile("fwd", FWD_TILE, d, options), stages)
 
 
-def bwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None) -> dict:
-    """``{"dkdv": Tiles, "dq": Tiles}``: the backward kernels' launches (:data:`DKDV_TILE`, :data:`DQ_TILE`)."""
-    key = _tile_key(d)
-    return {"dkdv": _tiles(nq, nk, d, block_m, block_n, DKDV_TILE[key]),
-            "dq": _tiles(nq, nk, d, block_m, block_n, DQ_TILE[key])}
+def bwd_tiles(nq: int, nk: int, d: int, block_m: int | None = None, block_n: int | None = None, *,
+              options: bool = False, stages: int | None = None) -> dict:
+    """``{"dkdv": Tiles, "dq": Tiles}``: the backward kernels' launches (:data:`DKDV_TILE`, :data:`DQ_TILE`,
+    :data:`OPTION_TILE` with ``options``)."""
+    return {name: _tiles(nq, nk, d, block_m, block_n, _table_tile(name, table, d, options), stages)
+            for name, table in (("dkdv", DKDV_TILE), ("dq", DQ_TILE))}
 
 
 def _precision(dtype) -> str:
@@ -636,7 +648,7 @@ def _forward(q, k, v, causal: bool, sm_scale: float, *, slopes=None, block_m=Non
     B, Hq, Nq, D = q.shape
     o = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    tiles = fwd_tiles(Nq, k.shape[2], D, block_m, block_n)
+    tiles = fwd_tiles(Nq, k.shape[2], D, block_m, block_n, options=softcap is not None or window is not None)
     grid, args, kwargs = _fwd_args(q, k, v, o, lse, slopes, causal, sm_scale, tiles, rescale=rescale, mask_kv=mask_kv,
                                    softcap=softcap, window=window, cap_units=cap_units, skip_outside=skip_outside)
     _flash_fwd_kernel[grid](*args, **kwargs)
@@ -647,7 +659,7 @@ def _backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, *, slopes=None
               use_delta: bool = True, softcap=None, window=None, skip_outside: bool = True):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    tiles = bwd_tiles(Nq, Nk, D, block_m, block_n)
+    tiles = bwd_tiles(Nq, Nk, D, block_m, block_n, options=softcap is not None or window is not None)
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     pre = tiles["dq"]
     _flash_bwd_preprocess_kernel[(triton.cdiv(Nq, pre.block_m), B * Hq)](
@@ -787,7 +799,7 @@ def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 
                 fwd: Tiles | None = None, bwd: dict | None = None, dtype=torch.float16, target: str = "sm90"):
     """``{"fwd": job, "dkdv": job, "dq": job}``: the jobs of a GPU launch at these sizes on meta
     tensors (contiguous (B, H, N, D) q, k, v, o, dO; causal), with the GPU tiles of :data:`FWD_TILE`,
-    :data:`DKDV_TILE`, :data:`DQ_TILE` unless ``fwd`` (Tiles) or ``bwd`` ({"dkdv": Tiles, "dq": Tiles}) say otherwise."""
+    :data:`DKDV_TILE`, :data:`DQ_TILE` (:data:`OPTION_TILE` with a soft-cap or window) unless ``fwd`` (Tiles) or ``bwd`` ({"dkdv": Tiles, "dq": Tiles}) say otherwise."""
     from kernels import inspect as ki
 
     q = torch.empty(batch, hq, seq, head_dim, dtype=dtype, device="meta")
@@ -795,11 +807,9 @@ def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 
     lse = torch.empty(batch, hq, seq, device="meta")
     slopes = torch.empty(hq, device="meta") if alibi else None
 
-    def gpu(default):
-        return _tiles(seq, seq, head_dim, None, None, default, stages=GPU_STAGES)
-    key = _tile_key(head_dim)
-    fwd = fwd or gpu(FWD_TILE[key])
-    bwd = bwd or {"dkdv": gpu(DKDV_TILE[key]), "dq": gpu(DQ_TILE[key])}
+    options = softcap is not None or window is not None
+    fwd = fwd or fwd_tiles(seq, seq, head_dim, options=options, stages=GPU_STAGES)
+    bwd = bwd or bwd_tiles(seq, seq, head_dim, options=options, stages=GPU_STAGES)
     grid, args, kwargs = _fwd_args(q, k, k, q, lse, slopes, True, head_dim ** -0.5, fwd, softcap=softcap, window=window)
     jobs = {"fwd": ki.launch_job(_flash_fwd_kernel, *args, target=target, grid=grid, **kwargs)}
     launches = _bwd_args(q, q, k, k, lse, lse, q, k, k, slopes, True, head_dim ** -0.5, bwd, softcap=softcap,
@@ -814,20 +824,27 @@ def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 
 # of 4096 (its global layers are the same without the window). DeepSeek-V3's prefill head dim 192
 # (Q/K; V is 128 there, and this kernel takes one head dim for all three) runs this D = 256 build.
 GEMMA2_9B = dict(hq=16, hkv=8, head_dim=256, softcap=50.0, window=4096)
+# Gemma 2 27B's local layers: 32 query heads, 16 K/V heads, head dim 128, the same cap and window.
+GEMMA2_27B = dict(hq=32, hkv=16, head_dim=128, softcap=50.0, window=4096)
 
 
 def compile_jobs() -> dict:
     """Forward, dK/dV and dQ at :data:`REAL_CONFIGS` (batch 1, 8192 tokens, causal), with ALiBi at D = 128,
-    and at :data:`GEMMA2_9B` (D = 256, soft-cap, window) with and without its two options."""
+    at :data:`GEMMA2_9B` (D = 256, soft-cap, window) with and without its two options, at :data:`GEMMA2_27B`
+    (D = 128, soft-cap, window), and dQ at D = 64 with both options (:data:`OPTION_TILE`)."""
     jobs = {}
     for label, hq, hkv, d in REAL_CONFIGS:
         for part, job in launch_jobs(hq, hkv, d).items():
             jobs[f"{label} prefill {part}, D={d}"] = job
     for part, job in launch_jobs(32, 8, 128, alibi=True).items():
         jobs[f"Llama-3-8B-sized ALiBi prefill {part}, D=128"] = job
+    for name, g in (("Gemma-2-9B", GEMMA2_9B), ("Gemma-2-27B", GEMMA2_27B)):
+        d = g["head_dim"]
+        for part, job in launch_jobs(g["hq"], g["hkv"], d, softcap=g["softcap"], window=g["window"]).items():
+            jobs[f"{name} local prefill {part}, D={d}, cap 50, window 4096"] = job
     g = GEMMA2_9B
-    for part, job in launch_jobs(g["hq"], g["hkv"], g["head_dim"], softcap=g["softcap"], window=g["window"]).items():
-        jobs[f"Gemma-2-9B local prefill {part}, D=256, cap 50, window 4096"] = job
     for part, job in launch_jobs(g["hq"], g["hkv"], g["head_dim"]).items():
         jobs[f"Gemma-2-9B-sized plain prefill {part}, D=256"] = job
+    # the other launch OPTION_TILE changes: dQ at D = 64 with the cap and window
+    jobs["Llama-3.2-1B-sized capped, windowed prefill dq, D=64"] = launch_jobs(32, 8, 64, softcap=50.0, window=4096)["dq"]
     return jobs
