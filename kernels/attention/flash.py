@@ -753,6 +753,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     slopes = None if alibi_slopes is None else _check_slopes(alibi_slopes, q.shape[1], q)
     softcap, window = _check_options(softcap, window, causal, slopes)
+    if window is not None:
+        window = min(window, k.shape[2])     # a window of Nk keys already shows every causal key: same mask, int32
     o, lse = _FlashAttention.apply(q, k, v, slopes, bool(causal), scale, block_m, block_n, True, True, softcap, window)
     return (o, lse) if return_lse else o
 
