@@ -575,7 +575,7 @@ OPTION_CASES = [
     (1, 2, 1, 20, 45, 24, True, None, 17),      # Nq < Nk: the window is aligned bottom-right
     (1, 2, 1, 45, 20, 16, True, None, 6),       # Nq > Nk: fully masked rows
     (1, 2, 2, 30, 30, 16, True, None, 100),     # window >= seq: causal attention
-    (1, 4, 2, 50, 50, 32, True, 3.0, 20),       # both
+    (1, 2, 1, 40, 40, 32, True, 3.0, 20),       # both, MQA
 ]
 
 
