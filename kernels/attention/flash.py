@@ -39,14 +39,24 @@ batch, query head) and loops over K/V blocks.
 
 Masking conventions are those of :mod:`kernels.attention.reference`: causal is bottom-right
 aligned (query i sees key j when j <= i + Nk - Nq); fully masked rows give output 0, lse -inf
-and zero gradients. Head dims up to 128 are padded to a power of two of at least 16 (80 and 96
-run as 128 with the extra columns masked).
+and zero gradients. Head dims up to 256 are padded to a power of two of at least 16 (80 and 96
+run as 128, 192 as 256, with the extra columns masked).
 
 ALiBi (Press, Smith and Lewis, 2022) is the constexpr ``HAS_ALIBI`` of the same three kernels: one
 added line, S_ij -= slope_h |j - (i + Nk - Nq)| (the distance from query i's own position, aligned
 bottom-right as the causal mask; with the causal mask only j <= i + Nk - Nq remain and the bias is
 the paper's slope_h (j - i - Nk + Nq)). The bias depends on no input, so the backward's formulas are
 unchanged: only the recomputed P_ij = exp(S_ij - lse_i) includes it.
+
+Two more options of real models, constexprs of the same three kernels:
+
+* ``SOFTCAP`` (Gemma 2): S_ij -> c tanh(S_ij / c) before any mask (:func:`_scores`), with tanh from
+  :mod:`kernels.softcap`; the backward multiplies dS by the cap's derivative 1 - tanh^2, read off the
+  capped score it already holds (:func:`_through_cap`).
+* ``HAS_WINDOW``: query i (at i' = i + Nk - Nq) sees keys i' - W < j <= i'. The forward and dQ start
+  their key loop at the tile of the block's first row's oldest key (:func:`_window_start`) and dK/dV
+  ends its query loop after the last row that sees its block's newest key, so tiles outside every
+  window are never loaded; ``SKIP_OUTSIDE`` off reads and masks them (broken on purpose).
 
 Offsets: each kernel forms a head's base (b * stride_b + h * stride_h) and a tile's first row times
 its stride in int64, and only the offsets inside a tile in int32, so tensors past 2**31 elements
