@@ -55,6 +55,8 @@ FORWARD_CASES = [
     (1, 6, 2, 257, 100, 96, True),       # Nq > Nk: 157 fully masked rows; group 3; D=96
     (1, 2, 1, 33, 70, 128, False),       # Nq != Nk, D=128, MQA
     (1, 8, 2, 17, 40, 16, False),        # group 4
+    (1, 2, 1, 20, 37, 192, True),        # DeepSeek-V3's Q/K head dim, padded to 256; Nq < Nk
+    (1, 2, 2, 33, 17, 256, False),       # Gemma's head dim; Nq > Nk, masked tails
 ]
 
 
@@ -134,6 +136,7 @@ GRAD_CASES = [
     (1, 4, 1, 20, 45, 80, True),         # MQA, Nq < Nk, D padded
     (2, 2, 1, 45, 20, 16, True),         # Nq > Nk: fully masked rows
     (1, 3, 1, 30, 50, 24, False),        # group 3, not causal
+    (1, 2, 1, 20, 33, 256, True),        # head dim 256, MQA
 ]
 
 
@@ -237,7 +240,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="float64"):
         flash_attention(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="head dim"):
-        flash_attention(*_qkv(1, 2, 2, 8, 8, 160, torch.float32))
+        flash_attention(*_qkv(1, 2, 2, 8, 8, 272, torch.float32))
     with pytest.raises(ValueError, match="k shape"):
         flash_attention(q, k, v[:, :, :4])
     with pytest.raises(ValueError, match="k is"):
@@ -401,8 +404,14 @@ from kernels import inspect as ki  # noqa: E402
 AOT_ARCHS = ("sm80", "sm90")
 
 
+GEMMA, GEMMA_TAIL = "Gemma-2-9B local prefill", ", D=256, cap 50, window 4096"
+SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}    # the most shared memory one block may have
+
+
 def _aot_cases():
-    cases = dict(flash_mod.compile_jobs())
+    # the plain D = 256 builds are compile_jobs' too (the compiler page); the soft-capped, windowed ones
+    # hold more registers, so they are the ones this module builds
+    cases = {label: job for label, job in flash_mod.compile_jobs().items() if "plain" not in label}
     cases.update({f"Llama-3.2-1B-sized ALiBi prefill {p}, D=64": j
                   for p, j in flash_mod.launch_jobs(32, 8, 64, alibi=True).items()})
     # broken on purpose: dK/dV with 64 x 64 tiles at D = 128 and two stages, what the tile rule avoids
@@ -422,8 +431,9 @@ def aot_builds():
 
 
 def test_builds_at_real_sizes_do_not_spill_and_pipeline(aot_builds):
-    """Forward, dK/dV and dQ at head dims 64 and 128, with and without ALiBi: no spills, no stack, K/V
-    (or Q/dO) tiles filled by cp.async on sm_80 and sm_90a, tensor cores on both."""
+    """Forward, dK/dV and dQ at head dims 64 and 128, with and without ALiBi, and at 256 with Gemma 2's
+    soft-cap and window: no spills, no stack, shared memory within the block's limit, K/V (or Q/dO)
+    tiles filled by cp.async on sm_80 and sm_90a, tensor cores on both."""
     rows = [(f"{label} {a}", b[a]) for label, b in aot_builds.items() for a in AOT_ARCHS]
     table = ki.resource_table(rows)
     print(table)
@@ -431,6 +441,7 @@ def test_builds_at_real_sizes_do_not_spill_and_pipeline(aot_builds):
         if label.startswith(("oversized", "short")):
             continue
         assert b.spills == 0 and b.metadata["stack_bytes"] == 0, f"{label} spills\n{table}"
+        assert b.metadata["shared_bytes"] <= SMEM_LIMIT[label.split()[-1]], f"{label} shared memory\n{table}"
         assert b.async_copies["LDGSTS"] > 0 and b.tensor_core != "-", f"{label}\n{table}"
 
 
@@ -496,11 +507,19 @@ def test_head_offsets_are_int64_past_2_31_elements():
 def test_compile_jobs_are_the_launch():
     jobs = flash_mod.compile_jobs()
     fwd = jobs["Llama-3-8B prefill fwd, D=128"]
-    assert (fwd.constexprs["BLOCK_M"], fwd.constexprs["BLOCK_N"], fwd.num_warps) == flash_mod.FWD_TILE
+    assert (fwd.constexprs["BLOCK_M"], fwd.constexprs["BLOCK_N"], fwd.num_warps) == flash_mod.FWD_TILE[128]
     assert fwd.constexprs["HAS_ALIBI"] is False and "slopes_ptr: =None" in fwd.specialization()
     assert jobs["Llama-3-8B-sized ALiBi prefill dq, D=128"].constexprs["HAS_ALIBI"] is True
     dkdv = jobs["Llama-3-8B prefill dkdv, D=128"]
     assert (dkdv.constexprs["BLOCK_M"], dkdv.constexprs["BLOCK_N"], dkdv.num_warps) == flash_mod.DKDV_TILE[128]
+    gemma = jobs[f"{GEMMA} dkdv{GEMMA_TAIL}"]
+    assert (gemma.constexprs["BLOCK_M"], gemma.constexprs["BLOCK_N"], gemma.num_warps) == flash_mod.DKDV_TILE[256]
+    assert gemma.constexprs["SOFTCAP"] and gemma.constexprs["HAS_WINDOW"] and gemma.constexprs["SKIP_OUTSIDE"]
+    g27 = jobs["Gemma-2-27B local prefill fwd, D=128, cap 50, window 4096"]
+    assert (g27.constexprs["BLOCK_M"], g27.constexprs["BLOCK_N"], g27.num_warps) == flash_mod.OPTION_TILE[("fwd", 128)]
+    # what the launcher itself picks at that size is what compile_jobs built (warps included)
+    tiles = flash_mod.bwd_tiles(8192, 8192, 256)["dkdv"]
+    assert (tiles.block_m, tiles.block_n, tiles.num_warps) == flash_mod.DKDV_TILE[256]
 
 
 def _free_gpu_bytes() -> int:
@@ -518,3 +537,172 @@ def test_gpu_tensors_past_2_31_elements():
     last = attention_ref(q[-1:, :2], k[-1:, :2], v[-1:, :2], True)
     assert_close(out[-1:, :2], last, dtype=torch.float16, baseline=attention_ref(q[-1:, :2], k[-1:, :2], v[-1:, :2],
                                                                                  True, upcast=False))
+
+
+# ----------------------------------------------------------------------------------------------
+# Gemma 2's score soft-cap and the sliding window: flash_attention(..., softcap=, window=)
+
+
+def _grads(fn, q, k, v, do):
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*ins)
+    return (out, *torch.autograd.grad(out, ins, do))
+
+
+def _check_options(q, k, v, causal, softcap, window, name):
+    """Forward and backward against attention_ref with the same options (fp32 or fp64 from the same
+    inputs), within the FlashAttention rule against PyTorch's own low-precision result; NaN canaries."""
+    dtype = q.dtype
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(31)).to(DEVICE, dtype)
+    got = _grads(lambda a, b, c: flash_attention(nan_canary(a, rows=True), nan_canary(b, rows=True),
+                                                 nan_canary(c, rows=True), causal, softcap=softcap, window=window,
+                                                 block_m=16, block_n=16), q, k, v, do)
+    want = _grads(lambda a, b, c: attention_ref(a, b, c, causal, softcap=softcap, window=window),
+                  *(_wide(t) for t in (q, k, v)), _wide(do))
+    base = _grads(lambda a, b, c: attention_ref(a, b, c, causal, softcap=softcap, window=window, upcast=False),
+                  q, k, v, do)
+    for part, g, w, b in zip(("o", "dq", "dk", "dv"), got, want, base):
+        assert not torch.isnan(g).any(), f"{name} {part}: a canary was read"
+        assert_close(g, w, dtype=dtype, baseline=b, name=f"{name} {part}")
+
+
+OPTION_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, softcap, window
+    (1, 2, 2, 1, 1, 16, True, 5.0, 1),          # length 1, window 1
+    (1, 4, 2, 37, 37, 32, True, 2.0, None),     # a strong cap (scores of a few units), GQA, masked tail
+    (1, 2, 1, 20, 45, 16, False, 50.0, None),   # Gemma 2's cap, not causal, Nq < Nk
+    (1, 4, 2, 37, 37, 32, True, None, 5),       # window smaller than a block, several blocks
+    (1, 2, 1, 20, 45, 24, True, None, 17),      # Nq < Nk: the window is aligned bottom-right
+    (1, 2, 1, 45, 20, 16, True, None, 6),       # Nq > Nk: fully masked rows
+    (1, 2, 2, 30, 30, 16, True, None, 100),     # window >= seq: causal attention
+    (1, 2, 1, 40, 40, 32, True, 3.0, 20),       # both, MQA
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,softcap,window", OPTION_CASES)
+def test_softcap_and_window_match_reference(B, Hq, Hkv, Nq, Nk, D, causal, softcap, window, dtype):
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype, seed=30, scale=3.0)    # scores of several units: the cap bites
+    _check_options(q, k, v, causal, softcap, window, name=f"cap {softcap} window {window}")
+
+
+def test_window_one_is_each_querys_own_value():
+    """Window 1: query i sees key i alone, so O = V, dV = dO (summed over the group) and dQ, dK are zero in
+    exact arithmetic (P = 1, dP - D = dO.V - dO.O = 0). The kernel's dQ, dK are rounding: P = exp2(S - lse)
+    is 1 to a few ulp, times dP of a few units."""
+    q, k, v = _qkv(1, 4, 2, 33, 33, 16, torch.float32, seed=40)
+    do = torch.randn(1, 4, 33, 16, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    o, dq, dk, dv = _grads(lambda a, b, c: flash_attention(nan_canary(a, rows=True), nan_canary(b, rows=True),
+                                                           nan_canary(c, rows=True), True, window=1, block_m=16,
+                                                           block_n=16), q, k, v, do)
+    assert_close(o, v.repeat_interleave(2, dim=1))
+    assert_close(dv, do.reshape(1, 2, 2, 33, 16).sum(dim=2))
+    assert float(dq.abs().max()) < 1e-5 and float(dk.abs().max()) < 1e-5
+    causal_dq = _grads(lambda a, b, c: flash_attention(a, b, c, True), q, k, v, do)[1]
+    assert float(causal_dq.abs().max()) > 0.1             # without the window the same dQ is not small
+
+
+def test_softcap_head_dim_256():
+    q, k, v = _qkv(1, 2, 1, 20, 33, 256, torch.float32, seed=32, scale=3.0)
+    _check_options(q, k, v, True, 10.0, 9, name="D=256")
+
+
+def test_softcap_reference_is_gemma2s_formula():
+    """attention_ref's cap is softcap * tanh(S / softcap) before the mask, S = sm_scale Q K^T: SDPA on the
+    capped scores as a float mask (with -inf above the diagonal) gives the same."""
+    q, k, v = (t.double() for t in _qkv(1, 2, 2, 12, 12, 8, torch.float32, seed=33, scale=4.0))
+    s = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    capped = 5.0 * torch.tanh(s / 5.0)
+    bias = (capped - s).masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+    assert_close(attention_ref(q, k, v, True, softcap=5.0), F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+
+
+def test_softcap_in_log2_units_is_caught():
+    """Capping the scores after the log2(e) scaling (cap tanh(S log2 e / cap), a cap of cap / log2 e in
+    natural units) is a plausible slip in an exp2 kernel: the check rejects it."""
+    q, k, v = _qkv(1, 2, 2, 30, 30, 16, torch.float32, seed=34, scale=3.0)
+    want = attention_ref(q.double(), k.double(), v.double(), True, softcap=2.0)
+    base = attention_ref(q, k, v, True, softcap=2.0, upcast=False)
+    bad, _ = flash_mod._forward(q, k, v, True, 0.25, softcap=2.0, cap_units=1.0)
+    with pytest.raises(MismatchError):
+        assert_close(bad, want, dtype=torch.float32, baseline=base)
+    good, _ = flash_mod._forward(q, k, v, True, 0.25, softcap=2.0)
+    assert_close(good, want, dtype=torch.float32, baseline=base)
+
+
+@pytest.mark.parametrize("Nq,Nk,window", [(40, 40, 7), (25, 60, 16), (60, 25, 3), (33, 33, 1), (20, 20, 64)])
+def test_window_matches_sdpa_with_a_boolean_mask(Nq, Nk, window):
+    """fp32 against torch.nn.functional.scaled_dot_product_attention with the equivalent boolean mask,
+    forward and backward (rows that see no key: SDPA gives NaN there, the kernel 0, so they are compared
+    only where a key is visible)."""
+    q, k, v = _qkv(1, 4, 2, Nq, Nk, 24, torch.float32, seed=35)
+    i = torch.arange(Nq, device=DEVICE)[:, None] + Nk - Nq
+    j = torch.arange(Nk, device=DEVICE)[None, :]
+    mask = (j <= i) & (j > i - window)                   # (Nq, Nk) True = attend
+    rows = mask.any(dim=1)
+    do = torch.randn(1, 4, Nq, 24, generator=torch.Generator().manual_seed(36)).to(DEVICE)
+
+    def sdpa(a, b, c):
+        out = F.scaled_dot_product_attention(a, b, c, attn_mask=mask, enable_gqa=True)
+        return torch.where(rows[:, None], out, torch.zeros((), dtype=out.dtype))
+    got = _grads(lambda a, b, c: flash_attention(a, b, c, True, window=window, block_m=16, block_n=16), q, k, v, do)
+    want = _grads(sdpa, q.double(), k.double(), v.double(), do.double())
+    base = _grads(sdpa, q, k, v, do)
+    for part, g, w, b in zip(("o", "dq", "dk", "dv"), got, want, base):
+        assert_close(g, w, dtype=torch.float32, baseline=b, name=f"window {window} {part}")
+
+
+def test_window_skips_the_tiles_outside_it():
+    """One block of 16 queries at the end of 100 keys, window 20: they see keys 65..99, in the tiles
+    from 64 on. Keys (and values) 0..63 are NaN: a kernel that read them and masked them afterwards
+    would multiply NaN values by zero weights (NaN), so a finite result that matches shows the loop
+    never reached them. The backward's dK/dV programs for those keys loop over no query (their gradients
+    are exactly 0) and dQ's loop starts at 64. With the skip switched off the same inputs give NaN."""
+    q, k, v = _qkv(1, 2, 1, 16, 100, 16, torch.float32, seed=37)
+    ref_inputs = (q.double(), k.double(), v.double())
+    k, v = k.clone(), v.clone()
+    k[:, :, :64] = float("nan")
+    v[:, :, :64] = float("nan")
+    do = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(38)).to(DEVICE)
+    o, lse = flash_mod._forward(q, k, v, True, 0.25, window=20, block_m=16, block_n=16)
+    want = attention_ref(*ref_inputs, True, sm_scale=0.25, window=20)
+    assert_close(o, want.float(), dtype=torch.float32, baseline=want.float())
+    dq, dk, dv = flash_mod._backward(do, q, k, v, o, lse, True, 0.25, window=20, block_m=16, block_n=16)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk[:, :, 64:]).all() and torch.isfinite(dv[:, :, 64:]).all()
+    assert not dk[:, :, :64].any() and not dv[:, :, :64].any()
+    wide = [t.clone().requires_grad_() for t in ref_inputs]
+    wq, wk, wv = torch.autograd.grad(attention_ref(*wide, True, sm_scale=0.25, window=20), wide, do.double())
+    assert_close(dq, wq.float(), dtype=torch.float32, baseline=wq.float())
+    assert_close(dk[:, :, 64:], wk[:, :, 64:].float(), dtype=torch.float32, baseline=wk[:, :, 64:].float())
+    # the broken variant: the mask alone (every tile read) is exact on clean keys but reads the NaN
+    masked_only, lse_m = flash_mod._forward(q, k, v, True, 0.25, window=20, block_m=16, block_n=16, skip_outside=False)
+    assert torch.isnan(masked_only).all()
+    dq_m, dk_m, _ = flash_mod._backward(do, q, k, v, o, lse, True, 0.25, window=20, block_m=16, block_n=16,
+                                        skip_outside=False)
+    assert torch.isnan(dq_m).all() and torch.isnan(dk_m[:, :, :64]).all()
+
+
+def test_window_off_by_one_is_caught():
+    """A window one key too wide (j >= i' - W instead of j > i' - W) fails the check; window 1 against 2
+    is the starkest case."""
+    q, k, v = _qkv(1, 2, 2, 30, 30, 16, torch.float32, seed=39)
+    for w in (1, 8):
+        want = attention_ref(q.double(), k.double(), v.double(), True, window=w)
+        base = attention_ref(q, k, v, True, window=w, upcast=False)
+        with pytest.raises(MismatchError):
+            assert_close(flash_attention(q, k, v, True, window=w + 1), want, dtype=torch.float32, baseline=base)
+        assert_close(flash_attention(q, k, v, True, window=w), want, dtype=torch.float32, baseline=base)
+
+
+def test_softcap_and_window_bad_values_raise_clear_errors():
+    q, k, v = _qkv(1, 4, 2, 8, 8, 16, torch.float32)
+    for cap in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+            flash_attention(q, k, v, True, softcap=cap)
+    with pytest.raises(ValueError, match="softcap with alibi_slopes"):
+        flash_attention(q, k, v, True, softcap=50.0, alibi_slopes=torch.ones(4))
+    for w in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be an int >= 1"):
+            flash_attention(q, k, v, True, window=w)
+    with pytest.raises(ValueError, match="window needs causal=True"):
+        flash_attention(q, k, v, False, window=4)

@@ -18,6 +18,9 @@ every key. With Nq > Nk the first Nq - Nk queries see no key at all: those rows 
 this module defines their output as 0 and their lse as -inf (FlashAttention-2's convention),
 where a plain softmax would give 0/0 = NaN. PyTorch's ``is_causal=True`` aligns to the top left
 instead; ``torch.nn.attention.bias.causal_lower_right`` is the bottom-right form.
+
+Two options of real models: a soft-cap (Gemma 2) replaces S by cap tanh(S / cap) before the mask and
+the softmax; a sliding window of W keeps, of the causal keys, only the last W: j > i + (Nk - Nq) - W.
 """
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ import math
 import torch
 
 
-def causal_mask(nq: int, nk: int, device=None) -> torch.Tensor:
-    """(nq, nk) bool, True where query i may see key j: j <= i + (nk - nq) (bottom-right aligned)."""
-    i = torch.arange(nq, device=device)[:, None]
+def causal_mask(nq: int, nk: int, device=None, *, window: int | None = None) -> torch.Tensor:
+    """(nq, nk) bool, True where query i may see key j: j <= i + (nk - nq) (bottom-right aligned), and
+    with a ``window`` W also j > i + (nk - nq) - W (the W most recent keys, the query's own included)."""
+    i = torch.arange(nq, device=device)[:, None] + (nk - nq)
     j = torch.arange(nk, device=device)[None, :]
-    return j <= i + (nk - nq)
+    visible = j <= i
+    return visible if window is None else visible & (j > i - window)
 
 
 def attention_ref(
@@ -42,13 +47,16 @@ def attention_ref(
     *,
     upcast: bool = True,
     return_lse: bool = False,
+    softcap: float | None = None,
+    window: int | None = None,
 ):
     """Attention written out in PyTorch, for MHA, GQA and MQA.
 
     ``upcast=True`` (the reference): computed in fp32 from the given inputs (float64 stays float64)
     and returned in that wide dtype. ``upcast=False``: every product and the softmax in the inputs'
     own dtype -- PyTorch's own low-precision result, the *baseline* of the FlashAttention test rule.
-    With ``return_lse`` also returns lse (B, Hq, Nq) in fp32 (float64 kept).
+    With ``return_lse`` also returns lse (B, Hq, Nq) in fp32 (float64 kept). ``softcap``: S becomes
+    softcap tanh(S / softcap); ``window`` (with ``causal``): the causal mask keeps the last ``window`` keys.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention_ref: q, k, v must be 4-D (B, H, N, D), got {tuple(q.shape)}, "
@@ -65,9 +73,13 @@ def attention_ref(
     kf = k.to(dt).repeat_interleave(group, dim=1)          # (B, Hq, Nk, D): fine for a reference
     vf = v.to(dt).repeat_interleave(group, dim=1)
     s = (qf @ kf.transpose(-1, -2)) * scale                # S = sm_scale Q K^T, (B, Hq, Nq, Nk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)              # cap tanh(S / cap), before the mask
     Nk = k.shape[2]
+    if window is not None and not causal:
+        raise ValueError("attention_ref: window needs causal=True")
     if causal:
-        visible = causal_mask(Nq, Nk, device=q.device)
+        visible = causal_mask(Nq, Nk, device=q.device, window=window)
         s = s.masked_fill(~visible, float("-inf"))
         empty = ~visible.any(dim=1)                        # (Nq,) fully masked rows
     else:
