@@ -174,3 +174,16 @@ def tanh(u):
     large = 1.0 - 2.0 * t / (1.0 + t)                            # tanh |u|
     large = tl.where(u < 0, -large, large)
     return tl.where(a < TANH_POLY_LIMIT, small, large)
+
+
+def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft-cap cap * tanh(x / cap) in PyTorch (attention scores: cap 50; logits: cap 30), the
+    reference for the kernels that apply it with :func:`tanh`; its derivative is 1 - tanh(x / cap)^2."""
+    return cap * torch.tanh(x / cap)
+
+
+def check_cap(cap, name: str) -> float:
+    """A soft-cap must be a finite number > 0 (c(x) -> x as cap -> inf: no cap is None, not inf)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (0 < cap < float("inf")):
+        raise ValueError(f"{name}: softcap must be a finite number > 0 (or None for no cap), got {cap!r}")
+    return float(cap)

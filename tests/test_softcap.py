@@ -1,4 +1,6 @@
-"""kernels.softcap.tanh: accurate near zero (where 2 sigmoid(2u) - 1 is not), checked against float64."""
+"""kernels.rows.tanh, the one tanh of the course's kernels (the attention and logit soft-caps), and the
+soft-cap's reference and argument check: accurate near zero (where 2 sigmoid(2u) - 1 is not), checked
+against float64 from 1e-30 to 20. tests/test_loss.py checks it through the loss kernel's soft-cap."""
 import kernels  # noqa: F401  (before triton)
 
 import pytest
@@ -7,7 +9,9 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.softcap import SERIES_BELOW, check_cap, softcap_ref, tanh
+from kernels.rows import TANH_POLY_LIMIT, check_cap, softcap_ref, tanh
+
+SERIES_BELOW = float(TANH_POLY_LIMIT.value)   # below: the odd series; above: the exponential form
 
 DEVICE = runtime.device()
 

@@ -51,7 +51,7 @@ unchanged: only the recomputed P_ij = exp(S_ij - lse_i) includes it.
 Two more options of real models, constexprs of the same three kernels:
 
 * ``SOFTCAP`` (Gemma 2): S_ij -> c tanh(S_ij / c) before any mask (:func:`_scores`), with tanh from
-  :mod:`kernels.softcap`; the backward multiplies dS by the cap's derivative 1 - tanh^2, read off the
+  :func:`kernels.rows.tanh`; the backward multiplies dS by the cap's derivative 1 - tanh^2, read off the
   capped score it already holds (:func:`_through_cap`).
 * ``HAS_WINDOW``: query i (at i' = i + Nk - Nq) sees keys i' - W < j <= i'. The forward and dQ start
   their key loop at the tile of the block's first row's oldest key (:func:`_window_start`) and dK/dV
@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.softcap import check_cap, tanh
+from kernels.rows import check_cap, tanh
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
