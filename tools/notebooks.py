@@ -25,6 +25,13 @@ TIMEOUT_S = 600
 # `make test` already runs one notebook per core, so the two threads wait for each other asleep
 # (OMP_WAIT_POLICY=PASSIVE) rather than spinning against the other worker: spinning made a
 # training cell several times slower without changing a single result.
+# What each variable costs (measured for issue 48 on an AVX-512 machine, CPU seconds of one process):
+# ATen's scalar kernels take 2.9x its AVX-512 ones on vectorised elementwise work (softmax, exp), and
+# MKL's compatible path 2.2x on an fp32 GEMM; across a whole chapter (gqa-mqa, both passes) the total
+# moved by under 10% between ATEN_CPU_CAPABILITY=default and avx2. The cheaper settings perturb less:
+# avx2 changed one of five probe results (softmax), MKL_CBWR=AVX2 none, while default and COMPATIBLE
+# changed the GEMM's bits too. The stronger settings stay; the saving came from running this pass as
+# nbval's own collector in the same worker (conftest.py) instead of a pytest process per notebook.
 SECOND_CPU_CONFIG = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "2",
                      "OMP_WAIT_POLICY": "PASSIVE"}
 # Set in the process that runs the second pass, so that it does not start a third.
