@@ -2,11 +2,15 @@
 127.0.0.1, driven by the official ``openai`` client (concurrent, streaming and not) and by httpx.
 Greedy text equals offline generation; sampled text equals the offline draw with the same seed;
 stop strings across token boundaries never leak; log-probs are the model's; every OpenAI field is
-served or refused by name; unknown model 404, busy 429, timeout 504, engine failure 500; clients that
-go away (streaming or not) are aborted; shutdown drains, or aborts past its drain time; every page
-comes back. Every call has a timeout, and every server is shut down."""
+served or refused by name; unknown model 404, busy 429 (with Retry-After), timeout 504, engine failure
+500; a request that poisons the engine fails alone; tiny temperatures are greedy; nested, oversized
+and cut-off bodies, unknown routes and methods all answer in OpenAI's error shape; clients that go
+away (streaming or not) are aborted; shutdown drains, or aborts past its drain time; every page comes
+back; and a property-based fuzz of request bodies never gets a 5xx or disturbs a greedy request
+running beside it. Every call has a timeout, and every server is shut down."""
 import contextlib
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -299,6 +303,73 @@ def test_bad_requests_get_clear_400s(server, client, kwargs, match):
     _wait_idle(server)
 
 
+def _openai_error(r: httpx.Response, status: int, param=None) -> dict:
+    """The response is ``status`` with OpenAI's error body; returns its ``error`` object."""
+    assert r.status_code == status and r.headers["content-type"].startswith("application/json"), (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    return err
+
+
+def _post(base, path, body, **kwargs) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=30.0, **kwargs)
+
+
+def test_context_overflow_names_the_field_at_fault(server):
+    """prompt + max_tokens past the context: max_tokens is at fault when the prompt alone fits (the probe's
+    {max_tokens: 1000000} blamed the prompt), the prompt (messages, in chat) when it leaves no room."""
+    for body, param in (({"prompt": "ROMEO:\n", "max_tokens": 10 ** 6}, "max_tokens"),
+                        ({"prompt": "x" * 100, "max_tokens": 29}, "max_tokens"),
+                        ({"prompt": "x" * 128, "max_tokens": 1}, "prompt")):
+        err = _openai_error(_post(server, "/v1/completions", {"model": "tiny-gpt", **body}), 400, param)
+        assert err["code"] == "context_length_exceeded" and "exceed the model's context of 128" in err["message"]
+    chat = {"model": "tiny-gpt", "messages": [{"role": "user", "content": "Hi"}]}
+    _openai_error(_post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 500}), 400,
+                  "max_completion_tokens")
+    _openai_error(_post(server, "/v1/chat/completions", {**chat, "max_tokens": 500}), 400, "max_tokens")
+    _openai_error(_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 200}]}),
+                  400, "messages")
+
+
+def test_sampling_fields_are_held_to_what_the_kernels_hold(server, offline):
+    """top_k is an int32 in the sampler: 2**31 is a 400 naming it (it was a 500 for every request in the
+    step), 2**31 - 1 is served. A temperature below 1e-5 is greedy (1e-39 answered twenty NUL bytes)."""
+    base = {"model": "tiny-gpt", "prompt": "ROMEO:\n", "max_tokens": 12}
+    err = _openai_error(_post(server, "/v1/completions", {**base, "top_k": 2 ** 31}), 400, "top_k")
+    assert "2147483647" in err["message"]
+    assert _post(server, "/v1/completions", {**base, "top_k": 2 ** 31 - 1, "seed": 1}).status_code == 200
+    greedy = offline("ROMEO:\n", 12)
+    for t in (1e-39, 5e-324, 1e-38, 3e-38, 9e-6):
+        r = _post(server, "/v1/completions", {**base, "temperature": t, "seed": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, (t, r.text)
+    _wait_idle(server)
+
+
+def test_nested_oversized_and_misrouted_requests_answer_in_the_api_shape(server):
+    """1000 nested brackets (a RecursionError in json.loads: a text/plain 500 before) and a prompt nested
+    40 deep are 400s; a 5 MB prompt is a 413 refused by its Content-Length, and a chunked 100 KB body
+    (no Content-Length) while it streams in; an unknown route is a 404 and a wrong method a 405 (with
+    Allow), both in OpenAI's shape instead of FastAPI's {"detail": ...}."""
+    url = server + "/v1/completions"
+    r = httpx.post(url, content=b"[" * 1000 + b"]" * 1000, timeout=10.0, headers={"content-type": "application/json"})
+    assert "nests deeper than 32" in _openai_error(r, 400)["message"]
+    deep = {"model": "tiny-gpt", "prompt": json.loads("[" * 40 + "]" * 40)}
+    assert "nests deeper" in _openai_error(_post(server, "/v1/completions", deep), 400)["message"]
+    t0 = time.monotonic()
+    big = {"model": "tiny-gpt", "prompt": "x" * 5_000_000}
+    err = _openai_error(_post(server, "/v1/completions", big), 413)
+    assert err["code"] == "request_too_large" and "65536 bytes" in err["message"]
+    assert time.monotonic() - t0 < 10.0
+    chunks = (b'{"model": "tiny-gpt", "prompt": "' + b"y" * 1000 for _ in range(100))
+    _openai_error(httpx.post(url, content=chunks, timeout=10.0), 413)
+    err = _openai_error(_post(server, "/v1/embeddings", {"model": "tiny-gpt", "input": "x"}), 404)
+    assert err["code"] == "not_found" and "/v1/embeddings" in err["message"]
+    r = httpx.get(url, timeout=10.0)
+    assert _openai_error(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+    _wait_idle(server)
+
+
 def test_malformed_bodies(server):
     r = httpx.post(server + "/v1/completions", content=b"{not json", timeout=10.0,
                    headers={"content-type": "application/json"})
@@ -403,6 +474,7 @@ def test_busy_is_429_and_slow_is_504(model):
                 return "ok"
             except openai.RateLimitError as err:
                 assert "at capacity" in str(err) and err.status_code == 429
+                assert err.response.headers["retry-after"] == str(srv.RETRY_AFTER_S)
                 return 429
             except openai.APIStatusError as err:
                 assert err.status_code == 504 and "did not finish within 0.5 s" in str(err)
@@ -434,6 +506,68 @@ def test_engine_failure_is_500_server_error_and_the_server_carries_on(model):
         runner.forward = forward
         assert c.completions.create(model="tiny-gpt", prompt="O", max_tokens=4).usage.completion_tokens == 4
         assert _wait_idle(base)["engine_errors"] == 2
+
+
+def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(model, offline, monkeypatch):
+    """The probe's attack with the server's validation bypassed, so that the engine itself is tested: a
+    request whose top_k (2**31) overflows the sampler's int32 arrives while three greedy requests run
+    (two streaming). It alone gets the 500; the three complete with their offline text."""
+    parse = srv.parse_request
+
+    def poisoning(body, chat, context=128):
+        req = parse(body, chat, context)
+        if body.get("prompt") == "POISON":
+            object.__setattr__(req.params, "top_k", 2 ** 31)
+        return req
+    monkeypatch.setattr(srv, "parse_request", poisoning)
+    with serving(model, step_delay=STEP) as (app, base):
+        c = _client(base)
+        started = threading.Event()
+
+        def healthy(i):
+            p = PROMPTS[i]
+            if i == 0:
+                return c.completions.create(model="tiny-gpt", prompt=p, max_tokens=40, temperature=0).choices[0].text, p
+            stream = c.completions.create(model="tiny-gpt", prompt=p, max_tokens=40, temperature=0, stream=True)
+            text = ""
+            for chunk in stream:
+                text += chunk.choices[0].text
+                started.set()
+            return text, p
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(healthy, i) for i in range(3)]
+            assert started.wait(TIMEOUT)
+            with pytest.raises(openai.InternalServerError, match="engine error: RuntimeError: .*int32") as err:
+                c.completions.create(model="tiny-gpt", prompt="POISON", max_tokens=5, temperature=1.0, seed=1)
+            assert err.value.body["type"] == "server_error"
+            for a in answers:
+                text, p = a.result(timeout=TIMEOUT)
+                assert text == offline(p, 40)
+        stats = _wait_idle(base)
+        assert stats["engine_errors"] == 1 and stats["steps"] >= 40
+
+
+def test_a_client_that_leaves_before_its_body_is_read_logs_nothing(model):
+    """Headers promise 1000 bytes, 10 arrive, the socket closes: the handler sees ClientDisconnect and returns
+    (uvicorn logged "Exception in ASGI application" with a traceback before); the server serves on."""
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    with serving(model) as (app, base):
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            port = int(base.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"model\": ")
+                time.sleep(0.3)
+            time.sleep(0.5)
+            r = _client(base).completions.create(model="tiny-gpt", prompt="O", max_tokens=3, temperature=0)
+            assert r.usage.completion_tokens == 3
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+        assert _wait_idle(base)["in_flight"] == 0
+    assert not records, [r.getMessage() for r in records]
 
 
 def _stream_lines(base, body, after_first=None):
