@@ -24,6 +24,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from kernels.model.data import decode, encode
 from kernels.model.gpt import load_pretrained
@@ -609,3 +611,168 @@ def test_shutdown_past_its_drain_time_aborts(model):
         while engine.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.engine.pages_held_by_requests() == 0 and not engine.active and engine.in_flight == 0
+
+
+# ---------------------------------------------------------------- a fuzzed server
+# Request bodies drawn by hypothesis (the course profile derandomizes them: the same bodies on every
+# machine) against the real server process on 127.0.0.1, while a greedy request runs beside them.
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 65, 2 ** 65), st.floats(width=64),
+                         st.text(max_size=12), st.sampled_from(["\ud800", "☕" * 3, "\x00", ""]))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+EDGES = st.sampled_from([0, -1, 2 ** 31, 2 ** 63, 1e-39, 2.5, 1e308, float("nan"), float("inf"), True, "1", None,
+                         [], {}])
+RAW_BODIES = st.sampled_from([b"[" * 1000 + b"]" * 1000, b'{"model": "tiny-gpt", "prompt": ' + b"[" * 1000,
+                              b"\xff\xfe{}", b'{"model": "tiny', b"", b"1" * 5000, b"null", b'"x"'])
+WEIRD_PROMPTS = st.one_of(st.text(min_size=120, max_size=140), st.lists(st.integers(-3, 300), max_size=12),
+                          st.sampled_from(["", "\ud83d", "z" * 70_000, [[1, 2]], ["a", "b"], [True]]))
+
+
+def _field(small, *edges):
+    """A field's values: mostly small valid ones (a request the engine serves costs a few steps), else
+    the values at and just past the ends of its range."""
+    return st.one_of(small, small, small, st.sampled_from(edges))
+
+
+VALID = {
+    "max_tokens": _field(st.integers(1, 6), 0, 2 ** 31, 10 ** 6, 121),
+    "n": _field(st.integers(1, 3), 0, 8, 9),
+    "seed": _field(st.integers(0, 2 ** 40), -1, 2 ** 63 - 1, 2 ** 63),
+    "temperature": _field(st.floats(0, 2), -0.0, 1e-39, 5e-324, 3e-38, 1e-5, 2.0000001, -1e-300),
+    "top_p": _field(st.floats(0, 1, exclude_min=True), 0, 5e-324, 1.0000001),
+    "top_k": _field(st.integers(-1, 300), -2, 2 ** 31 - 1, 2 ** 31, 2 ** 63),
+    "min_p": _field(st.floats(0, 1), -5e-324, 1.5),
+    "stop": _field(st.one_of(st.text(min_size=1, max_size=2), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+                   "", [""], ["a"] * 5, "\ud800", [1]),
+    "stop_token_ids": _field(st.lists(st.integers(0, 255), max_size=2), [-1], [256], [True]),
+    "stream": _field(st.booleans(), 1, "yes"),
+    "user": _field(st.text(max_size=5), 5),
+    "frequency_penalty": _field(st.just(0), 0.5, -2),
+}
+VALID_COMPLETION = {**VALID, "logprobs": _field(st.integers(0, 5), -1, 6, True), "echo": _field(st.just(False), True),
+                    "suffix": _field(st.just(""), "x"), "best_of": _field(st.just(1), 0, 2)}
+VALID_CHAT = {**VALID, "logprobs": _field(st.booleans(), 1), "top_logprobs": _field(st.integers(0, 20), -1, 21),
+              "max_completion_tokens": _field(st.integers(1, 6), 0, 2 ** 31), "store": _field(st.just(False), True),
+              "response_format": _field(st.just({"type": "text"}), {"type": "json_object"})}
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                                           "content": st.text(max_size=8)}, optional={"name": st.text(min_size=1,
+                                                                                                     max_size=4)}),
+                    min_size=1, max_size=2)
+
+
+@st.composite
+def request_bodies(draw):
+    """(chat, body): a request (the model, a short prompt or messages, a few fields each at a small valid
+    value or at an end of its range) with 0 to 2 mutations: a field replaced by an edge value or any JSON
+    (nested, unicode, lone surrogates), an unknown field, a field removed, a prompt or messages that break
+    a rule. Now and then not an object, or not JSON at all (bytes: 1000 nested brackets, cut off, not UTF-8)."""
+    chat = draw(st.booleans())
+    if draw(st.integers(0, 14)) == 0:
+        return chat, draw(st.one_of(RAW_BODIES, JSON_VALUES))
+    valid = VALID_CHAT if chat else VALID_COMPLETION
+    body = {"model": "tiny-gpt", "max_tokens": draw(st.integers(1, 6))}
+    if chat:
+        body["messages"] = draw(MESSAGES)
+    else:
+        body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=24), st.lists(st.integers(0, 255), min_size=1,
+                                                                                    max_size=8)))
+    for name in draw(st.permutations(sorted(valid)))[:draw(st.integers(0, 4))]:
+        body[name] = draw(valid[name])
+    for _ in range(draw(st.integers(0, 2))):
+        kind = draw(st.sampled_from(["replace", "unknown", "remove", "prompt"]))
+        if kind == "replace":
+            body[draw(st.sampled_from(sorted(valid) + ["model", "messages" if chat else "prompt"]))] = \
+                draw(st.one_of(EDGES, JSON_VALUES))
+        elif kind == "unknown":
+            body[draw(st.sampled_from(["foo", "max_new_tokens", "repetition_penalty", "tools", "logit_bias"]))] = \
+                draw(JSON_VALUES)
+        elif kind == "remove":
+            body.pop(draw(st.sampled_from(sorted(body))))
+        elif chat:
+            body["messages"] = draw(st.lists(st.one_of(JSON_VALUES, st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "tool", "bogus"]), "content": JSON_VALUES})), max_size=2))
+        else:
+            body["prompt"] = draw(WEIRD_PROMPTS)
+    return chat, body
+
+
+def _check_ok(r: httpx.Response, chat: bool, body: dict) -> None:
+    """A 200 is a complete, well-formed answer: the openai package's own models parse it, every choice is
+    there and finished, and a stream ends with [DONE] and carries no error event."""
+    n = body.get("n") or 1
+    if not body.get("stream"):
+        out = (openai.types.chat.ChatCompletion if chat else openai.types.Completion).model_validate(r.json())
+        assert sorted(c.index for c in out.choices) == list(range(n))
+        assert all(c.finish_reason in ("stop", "length") for c in out.choices) and out.usage.total_tokens > 0
+        return
+    lines = [x[6:] for x in r.text.split("\n\n") if x.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", r.text[-300:]
+    kind = openai.types.chat.ChatCompletionChunk if chat else openai.types.Completion
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert all("error" not in c for c in chunks), r.text[-300:]
+    finished = {c.index for x in chunks for c in kind.model_validate(x).choices if c.finish_reason}
+    assert finished == set(range(n))
+
+
+def _check_refusal(r: httpx.Response, body) -> None:
+    """A refusal is a 4xx in OpenAI's shape; a JSON object that parsed gets the field at fault named."""
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"], err
+    sized = isinstance(body, dict) and len(json.dumps(body)) <= srv.MAX_BODY and srv.json_depth(body) <= srv.MAX_DEPTH
+    if sized:
+        assert err["param"] in set(body) | {"model", "prompt", "messages", "max_tokens"}, (err, body)
+
+
+class Beside:
+    """A greedy request sent again and again from a thread while the fuzz runs; ``stop()`` -> its texts."""
+
+    def __init__(self, base: str, prompt: str, max_tokens: int):
+        self.body = {"model": "tiny-gpt", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        self.base, self.texts, self.done = base, [], threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        with httpx.Client(timeout=TIMEOUT) as c:
+            while not self.done.is_set():
+                r = c.post(self.base + "/v1/completions", json=self.body)
+                self.texts.append(r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
+
+    def stop(self) -> list[str]:
+        self.done.set()
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive()
+        return self.texts
+
+
+@pytest.fixture(scope="module")
+def beside(server):
+    b = Beside(server, PROMPTS[4], 24)
+    yield b
+    b.stop()
+
+
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=request_bodies())
+@example(case=(False, {"model": "tiny-gpt", "prompt": "x", "top_k": 2 ** 31, "max_tokens": 2}))     # the probe's D1
+@example(case=(False, b"[" * 1000 + b"]" * 1000))                                                    # D3
+@example(case=(True, {"model": "tiny-gpt", "messages": [{"role": "user", "content": "\ud800"}]}))
+def test_fuzzed_bodies_get_an_answer_or_a_named_refusal_never_a_5xx(server, beside, case):
+    chat, body = case
+    url = server + ("/v1/chat/completions" if chat else "/v1/completions")
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8", "surrogatepass")
+    r = httpx.post(url, content=raw, timeout=TIMEOUT, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text[:500], body)
+    if r.status_code == 200:
+        _check_ok(r, chat, body)
+    else:
+        assert 400 <= r.status_code < 500 and r.status_code != 429
+        _check_refusal(r, body)
+
+
+def test_the_greedy_request_beside_the_fuzz_was_unchanged(server, beside, offline):
+    """Runs after the fuzz (file order): the request beside it completed, every time, with its offline text."""
+    texts, want = beside.stop(), offline(PROMPTS[4], 24)
+    assert len(texts) >= 2 and all(t == want for t in texts), (want, texts[:3])
+    _wait_idle(server)
