@@ -549,6 +549,27 @@ def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(model, offline, mo
         assert stats["engine_errors"] == 1 and stats["steps"] >= 40
 
 
+def test_an_unexpected_error_is_a_500_in_the_api_shape(model, monkeypatch):
+    """A bug in the handler (here parse_request raising KeyError) still answers in OpenAI's error shape,
+    not Starlette's text/plain "Internal Server Error"; the server serves on."""
+    parse = srv.parse_request
+
+    def buggy(body, chat, context=128):
+        if body.get("prompt") == "BUG":
+            raise KeyError("a bug")
+        return parse(body, chat, context)
+    monkeypatch.setattr(srv, "parse_request", buggy)
+    logging.getLogger("uvicorn.error").disabled = True                  # the traceback it logs is expected here
+    try:
+        with serving(model) as (app, base):
+            err = _openai_error(_post(base, "/v1/completions", {"model": "tiny-gpt", "prompt": "BUG"}), 500)
+            assert err["type"] == "server_error" and "KeyError" in err["message"]
+            r = _post(base, "/v1/completions", {"model": "tiny-gpt", "prompt": "O", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        logging.getLogger("uvicorn.error").disabled = False
+
+
 def test_a_client_that_leaves_before_its_body_is_read_logs_nothing(model):
     """Headers promise 1000 bytes, 10 arrive, the socket closes: the handler sees ClientDisconnect and returns
     (uvicorn logged "Exception in ASGI application" with a traceback before); the server serves on."""
