@@ -19,11 +19,12 @@ are applied once, by :func:`scale_epilogue`, the same fp32 arithmetic as the uns
     y_mn = fl(fl(fl(acc_mn) a_m) w_n),   acc_mn = sum_s acc^(s)_mn  (exact)      (1')
 
 fl = round to nearest even in fp32 (fl(acc) is exact while |acc| < 2^24). The output is therefore the
-same bits whatever the split, and at most two fp32 roundings away from the exact a_m w_n acc_mn (the
-tests compare it with the exact integer product scaled in float64 and rounded once to fp32: 1 ulp
-apart at most on their cases). Scaling each partial and summing the fp32 partials instead (this
-module's first version) rounds every partial and then cancels: where the partials nearly cancel the
-output loses most of its digits (hundreds of ulps at M=37, N=129, K=200, tests/test_w8a8.py).
+same bits whatever the split, and two fp32 roundings (three once |acc| passes 2^24) away from the
+exact a_m w_n acc_mn: the tests compare it with the exact integer product scaled in float64 and
+rounded once to fp32, 1 ulp apart at most on their cases. Scaling each partial and summing the fp32
+partials instead (this module's first version) rounds every partial and then cancels: where the
+partials nearly cancel the output loses most of its digits (hundreds of ulps at M=37, N=129, K=200,
+tests/test_w8a8.py).
 
 The activations a linear reads come out of an RMSNorm. Quantizing them in a separate pass reads
 and writes X once more; :func:`rms_norm_quant` does the norm, the row's absmax and the int8 codes

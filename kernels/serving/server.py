@@ -432,6 +432,7 @@ class EngineThread:
             out = self.engine.step()
         except Exception as err:                          # no request to single out: fail them, not the server
             self.errors += 1
+            self.engine.take_failures()                   # any singled out before the raise are failed below too
             for h in list(self.active.values()):
                 self.engine.abort(h.seq)
                 h.push(("error", f"engine error: {type(err).__name__}: {err}"))
