@@ -16,11 +16,13 @@ T = 0 is greedy: argmax of the logits, the first index among equal maxima, as to
 
 Every T below :data:`GREEDY_BELOW` = 1e-5 is greedy too. In fp32, 1/T overflows to inf below about
 2.9e-39 and z = logit / T overflows wherever |logit| / T > 3.4e38: z - max z is then inf - inf = NaN
-and the draw returns garbage (token 0) with nothing to show for it. At 1e-5 a logit of up to 3.4e33
-still scales finitely, and calling it greedy changes a draw only where another token's logit lies
-within about 1e-5 * ln(V) of the largest (only then is its probability at T = 1e-5 above 1/V). vLLM uses the same threshold (``_SAMPLING_EPS = 1e-5``: below it, greedy;
-vllm-project/vllm@00388f65, vllm/sampling_params.py) and also raises any 0 < T < 1e-2 to 1e-2.
-top_k is an int32 in the kernels: at most :data:`TOP_K_MAX` = 2**31 - 1 (any k >= V keeps everything).
+and the draw returns garbage (the server answered NUL bytes at T = 1e-39, random bytes at 1e-38)
+with nothing to show for it. At 1e-5 a logit of up to 3.4e33 still scales finitely, and drawing
+greedily instead of at T = 1e-5 changes the answer only where another token's logit lies within
+about 1e-5 * ln(V) of the largest (only then is its probability at T = 1e-5 above 1/V). vLLM uses
+the same threshold (``_SAMPLING_EPS = 1e-5``: below it, greedy; vllm-project/vllm@00388f65,
+vllm/sampling_params.py) and also raises any 0 < T < 1e-2 to 1e-2. top_k is an int32 in the
+kernels: at most :data:`TOP_K_MAX` = 2**31 - 1 (any k >= V keeps everything).
 
 A token is drawn from q by the Gumbel-max trick: i* = argmax_{kept i} z_i + g_i, g_i = -log(-log u_i),
 u_i uniform in (0, 1); P(i* = i) = q_i exactly. The uniforms are counter-based (Philox4x32-10,
