@@ -52,8 +52,10 @@ run is forwarded again alone (a run's K, V and logits depend only on its own tok
 the sampler raises, each request's rows are sampled again alone (a row's draw depends only on its
 logits and its key, so the others' tokens are the ones the batch would have drawn). A request whose
 run or rows still raise is finished with reason "error" (its pages freed, never cached) and recorded
-in :attr:`Engine.failures`; the rest of the step goes on. A failure outside those stages (the
-scheduler, speculative verification) names no request and still raises out of :meth:`Engine.step`.
+in :attr:`Engine.failures`; the rest of the step goes on. A failure that no single request
+reproduces (every run passes alone: the batch itself is at fault, e.g. a batch larger than the
+captured CUDA graphs), or one outside those stages (the scheduler, speculative verification),
+names no request and still raises out of :meth:`Engine.step`.
 """
 from __future__ import annotations
 
@@ -376,17 +378,20 @@ class Engine:
 
     def _forward(self, works: list[Work]) -> tuple[list[Work], torch.Tensor]:
         """The step's forward -> (the runs that go on, their logits). If it raises, every run is forwarded
-        again alone and a request whose run still raises is failed (its other runs dropped too)."""
+        again alone and a request whose run still raises is failed (its other runs dropped too); if
+        every run passes alone, the batch itself was at fault and its error is raised."""
         try:
             return works, self.runner.forward(works)
-        except Exception:
-            pass
-        done = []
+        except Exception as err:
+            batch_err = err
+        done, failed = [], len(self.failures)
         for w in works:
             try:
                 done.append((w, self.runner.forward([w])))
             except Exception as err:
                 self._fail(w.seq.group, err)
+        if len(self.failures) == failed:
+            raise batch_err
         done = [(w, rows) for w, rows in done if not w.seq.finished]
         V = self.model.config.vocab_size
         return [w for w, _ in done], torch.cat([rows for _, rows in done]) if done else torch.empty(0, V)
@@ -397,9 +402,9 @@ class Engine:
         rows = [SampleRow(s.params, s.seed, s.choice, len(s.generated)) for s in seqs]
         try:
             return seqs, logits, self.sampler(logits, rows)
-        except Exception:
-            pass
-        keep, tokens, lps, tops = [], [], [], []
+        except Exception as err:
+            batch_err = err
+        keep, tokens, lps, tops, failed = [], [], [], [], len(self.failures)
         for group in dict.fromkeys(s.group for s in seqs):
             idx = [j for j, s in enumerate(seqs) if s.group == group]
             try:
@@ -409,6 +414,8 @@ class Engine:
                 continue
             keep += idx
             tokens, lps, tops = tokens + drawn.tokens, lps + drawn.logprobs, tops + drawn.top_logprobs
+        if len(self.failures) == failed:
+            raise batch_err
         return [seqs[j] for j in keep], logits[keep], SamplerOutput(tokens, lps, tops)
 
     def _rows(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int]]:
