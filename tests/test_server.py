@@ -760,7 +760,10 @@ class Beside:
                 r = c.post(self.base + "/v1/completions", json=self.body)
                 self.texts.append(r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
 
-    def stop(self) -> list[str]:
+    def stop(self, at_least: int = 2) -> list[str]:
+        deadline = time.monotonic() + TIMEOUT
+        while len(self.texts) < at_least and time.monotonic() < deadline:   # when the fuzz was deselected
+            time.sleep(0.05)
         self.done.set()
         self.thread.join(TIMEOUT)
         assert not self.thread.is_alive()

@@ -398,7 +398,8 @@ class Engine:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor):
         """The sampler over the step's rows -> (the choices that go on, their logits rows, the draws). If it
-        raises, each request's rows are drawn again alone and a request whose rows still raise is failed."""
+        raises, each request's rows are drawn again alone and a request whose rows still raise is failed;
+        if every request's rows pass alone, the batch's error is raised."""
         rows = [SampleRow(s.params, s.seed, s.choice, len(s.generated)) for s in seqs]
         try:
             return seqs, logits, self.sampler(logits, rows)
