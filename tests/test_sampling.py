@@ -179,3 +179,25 @@ def test_row_offset_is_a_64bit_product(aot):
     label = next(iter(jobs))
     runtime_args = [n for n, kind in jobs[label].signature.items() if kind != "constexpr"]
     assert ki.param_product_widths(builds[label]["sm90"], runtime_args.index("stride_row")) == {64}
+
+
+def test_tiny_temperatures_are_greedy_and_top_k_fits_int32():
+    """Below GREEDY_BELOW = 1e-5, 1/T or logit/T overflows fp32 (1e-39: every z is inf, z - max z NaN, the
+    server answered NUL bytes): such rows are greedy, in the reference, the kernel and the Sampler. The
+    broken arithmetic is real: the same rows scaled by 1/T in fp32 are NaN. top_k above int32 is refused."""
+    logits = _rows(4, 40, seed=9)
+    tiny = [SamplingParams(temperature=t, top_k=5) for t in (1e-39, 1e-38, 5e-324, 9.9e-6)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=1e-5).greedy
+    raw = logits * (1.0 / torch.tensor([[1e-39]], dtype=torch.float32))
+    assert torch.isnan(raw - raw.max(-1, keepdim=True).values).any()      # what the old path computed
+    t, k, tp, mp, keys = _args(tiny)
+    assert bool((t == 0).all())
+    assert torch.equal(S.sample_ref(logits, *_args(tiny))[0][:, 0], logits.argmax(-1))
+    assert torch.equal(S.sample(logits, *_args(tiny))[0][:, 0], logits.argmax(-1))
+    direct = torch.tensor([1e-39, 1e-38, 3e-38, 1e-6])                    # tensors that skip SamplingParams
+    assert torch.equal(S.sample(logits, direct, k, tp, mp, keys)[0][:, 0], logits.argmax(-1))
+    rows = [S.SampleRow(p, 7, 0, 0) for p in tiny]
+    assert S.Sampler()(logits, rows).tokens == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=1.0, top_k=S.TOP_K_MAX).top_k == 2 ** 31 - 1
+    with pytest.raises(ValueError, match=r"SamplingParams: top_k must be None or an int in \[0, 2147483647\]"):
+        SamplingParams(temperature=1.0, top_k=2 ** 31)

@@ -2,11 +2,15 @@
 127.0.0.1, driven by the official ``openai`` client (concurrent, streaming and not) and by httpx.
 Greedy text equals offline generation; sampled text equals the offline draw with the same seed;
 stop strings across token boundaries never leak; log-probs are the model's; every OpenAI field is
-served or refused by name; unknown model 404, busy 429, timeout 504, engine failure 500; clients that
-go away (streaming or not) are aborted; shutdown drains, or aborts past its drain time; every page
-comes back. Every call has a timeout, and every server is shut down."""
+served or refused by name; unknown model 404, busy 429 (with Retry-After), timeout 504, engine failure
+500; a request that poisons the engine fails alone; tiny temperatures are greedy; nested, oversized
+and cut-off bodies, unknown routes and methods all answer in OpenAI's error shape; clients that go
+away (streaming or not) are aborted; shutdown drains, or aborts past its drain time; every page comes
+back; and a property-based fuzz of request bodies never gets a 5xx or disturbs a greedy request
+running beside it. Every call has a timeout, and every server is shut down."""
 import contextlib
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -20,6 +24,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from kernels.model.data import decode, encode
 from kernels.model.gpt import load_pretrained
@@ -299,6 +305,73 @@ def test_bad_requests_get_clear_400s(server, client, kwargs, match):
     _wait_idle(server)
 
 
+def _openai_error(r: httpx.Response, status: int, param=None) -> dict:
+    """The response is ``status`` with OpenAI's error body; returns its ``error`` object."""
+    assert r.status_code == status and r.headers["content-type"].startswith("application/json"), (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    return err
+
+
+def _post(base, path, body, **kwargs) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=30.0, **kwargs)
+
+
+def test_context_overflow_names_the_field_at_fault(server):
+    """prompt + max_tokens past the context: max_tokens is at fault when the prompt alone fits (the probe's
+    {max_tokens: 1000000} blamed the prompt), the prompt (messages, in chat) when it leaves no room."""
+    for body, param in (({"prompt": "ROMEO:\n", "max_tokens": 10 ** 6}, "max_tokens"),
+                        ({"prompt": "x" * 100, "max_tokens": 29}, "max_tokens"),
+                        ({"prompt": "x" * 128, "max_tokens": 1}, "prompt")):
+        err = _openai_error(_post(server, "/v1/completions", {"model": "tiny-gpt", **body}), 400, param)
+        assert err["code"] == "context_length_exceeded" and "exceed the model's context of 128" in err["message"]
+    chat = {"model": "tiny-gpt", "messages": [{"role": "user", "content": "Hi"}]}
+    _openai_error(_post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 500}), 400,
+                  "max_completion_tokens")
+    _openai_error(_post(server, "/v1/chat/completions", {**chat, "max_tokens": 500}), 400, "max_tokens")
+    _openai_error(_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 200}]}),
+                  400, "messages")
+
+
+def test_sampling_fields_are_held_to_what_the_kernels_hold(server, offline):
+    """top_k is an int32 in the sampler: 2**31 is a 400 naming it (it was a 500 for every request in the
+    step), 2**31 - 1 is served. A temperature below 1e-5 is greedy (1e-39 answered twenty NUL bytes)."""
+    base = {"model": "tiny-gpt", "prompt": "ROMEO:\n", "max_tokens": 12}
+    err = _openai_error(_post(server, "/v1/completions", {**base, "top_k": 2 ** 31}), 400, "top_k")
+    assert "2147483647" in err["message"]
+    assert _post(server, "/v1/completions", {**base, "top_k": 2 ** 31 - 1, "seed": 1}).status_code == 200
+    greedy = offline("ROMEO:\n", 12)
+    for t in (1e-39, 5e-324, 1e-38, 3e-38, 9e-6):
+        r = _post(server, "/v1/completions", {**base, "temperature": t, "seed": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, (t, r.text)
+    _wait_idle(server)
+
+
+def test_nested_oversized_and_misrouted_requests_answer_in_the_api_shape(server):
+    """1000 nested brackets (a RecursionError in json.loads: a text/plain 500 before) and a prompt nested
+    40 deep are 400s; a 5 MB prompt is a 413 refused by its Content-Length, and a chunked 100 KB body
+    (no Content-Length) while it streams in; an unknown route is a 404 and a wrong method a 405 (with
+    Allow), both in OpenAI's shape instead of FastAPI's {"detail": ...}."""
+    url = server + "/v1/completions"
+    r = httpx.post(url, content=b"[" * 1000 + b"]" * 1000, timeout=10.0, headers={"content-type": "application/json"})
+    assert "nests deeper than 32" in _openai_error(r, 400)["message"]
+    deep = {"model": "tiny-gpt", "prompt": json.loads("[" * 40 + "]" * 40)}
+    assert "nests deeper" in _openai_error(_post(server, "/v1/completions", deep), 400)["message"]
+    t0 = time.monotonic()
+    big = {"model": "tiny-gpt", "prompt": "x" * 5_000_000}
+    err = _openai_error(_post(server, "/v1/completions", big), 413)
+    assert err["code"] == "request_too_large" and "65536 bytes" in err["message"]
+    assert time.monotonic() - t0 < 10.0
+    chunks = (b'{"model": "tiny-gpt", "prompt": "' + b"y" * 1000 for _ in range(100))
+    _openai_error(httpx.post(url, content=chunks, timeout=10.0), 413)
+    err = _openai_error(_post(server, "/v1/embeddings", {"model": "tiny-gpt", "input": "x"}), 404)
+    assert err["code"] == "not_found" and "/v1/embeddings" in err["message"]
+    r = httpx.get(url, timeout=10.0)
+    assert _openai_error(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+    _wait_idle(server)
+
+
 def test_malformed_bodies(server):
     r = httpx.post(server + "/v1/completions", content=b"{not json", timeout=10.0,
                    headers={"content-type": "application/json"})
@@ -403,6 +476,7 @@ def test_busy_is_429_and_slow_is_504(model):
                 return "ok"
             except openai.RateLimitError as err:
                 assert "at capacity" in str(err) and err.status_code == 429
+                assert err.response.headers["retry-after"] == str(srv.RETRY_AFTER_S)
                 return 429
             except openai.APIStatusError as err:
                 assert err.status_code == 504 and "did not finish within 0.5 s" in str(err)
@@ -434,6 +508,89 @@ def test_engine_failure_is_500_server_error_and_the_server_carries_on(model):
         runner.forward = forward
         assert c.completions.create(model="tiny-gpt", prompt="O", max_tokens=4).usage.completion_tokens == 4
         assert _wait_idle(base)["engine_errors"] == 2
+
+
+def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(model, offline, monkeypatch):
+    """The probe's attack with the server's validation bypassed, so that the engine itself is tested: a
+    request whose top_k (2**31) overflows the sampler's int32 arrives while three greedy requests run
+    (two streaming). It alone gets the 500; the three complete with their offline text."""
+    parse = srv.parse_request
+
+    def poisoning(body, chat, context=128):
+        req = parse(body, chat, context)
+        if body.get("prompt") == "POISON":
+            object.__setattr__(req.params, "top_k", 2 ** 31)
+        return req
+    monkeypatch.setattr(srv, "parse_request", poisoning)
+    with serving(model, step_delay=STEP) as (app, base):
+        c = _client(base)
+        started = threading.Event()
+
+        def healthy(i):
+            p = PROMPTS[i]
+            if i == 0:
+                return c.completions.create(model="tiny-gpt", prompt=p, max_tokens=40, temperature=0).choices[0].text, p
+            stream = c.completions.create(model="tiny-gpt", prompt=p, max_tokens=40, temperature=0, stream=True)
+            text = ""
+            for chunk in stream:
+                text += chunk.choices[0].text
+                started.set()
+            return text, p
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(healthy, i) for i in range(3)]
+            assert started.wait(TIMEOUT)
+            with pytest.raises(openai.InternalServerError, match="engine error: RuntimeError: .*int32") as err:
+                c.completions.create(model="tiny-gpt", prompt="POISON", max_tokens=5, temperature=1.0, seed=1)
+            assert err.value.body["type"] == "server_error"
+            for a in answers:
+                text, p = a.result(timeout=TIMEOUT)
+                assert text == offline(p, 40)
+        stats = _wait_idle(base)
+        assert stats["engine_errors"] == 1 and stats["steps"] >= 40
+
+
+def test_an_unexpected_error_is_a_500_in_the_api_shape(model, monkeypatch):
+    """A bug in the handler (here parse_request raising KeyError) still answers in OpenAI's error shape,
+    not Starlette's text/plain "Internal Server Error"; the server serves on."""
+    parse = srv.parse_request
+
+    def buggy(body, chat, context=128):
+        if body.get("prompt") == "BUG":
+            raise KeyError("a bug")
+        return parse(body, chat, context)
+    monkeypatch.setattr(srv, "parse_request", buggy)
+    logging.getLogger("uvicorn.error").disabled = True                  # the traceback it logs is expected here
+    try:
+        with serving(model) as (app, base):
+            err = _openai_error(_post(base, "/v1/completions", {"model": "tiny-gpt", "prompt": "BUG"}), 500)
+            assert err["type"] == "server_error" and "KeyError" in err["message"]
+            r = _post(base, "/v1/completions", {"model": "tiny-gpt", "prompt": "O", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        logging.getLogger("uvicorn.error").disabled = False
+
+
+def test_a_client_that_leaves_before_its_body_is_read_logs_nothing(model):
+    """Headers promise 1000 bytes, 10 arrive, the socket closes: the handler sees ClientDisconnect and returns
+    (uvicorn logged "Exception in ASGI application" with a traceback before); the server serves on."""
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    with serving(model) as (app, base):
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            port = int(base.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"model\": ")
+                time.sleep(0.3)
+            time.sleep(0.5)
+            r = _client(base).completions.create(model="tiny-gpt", prompt="O", max_tokens=3, temperature=0)
+            assert r.usage.completion_tokens == 3
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+        assert _wait_idle(base)["in_flight"] == 0
+    assert not records, [r.getMessage() for r in records]
 
 
 def _stream_lines(base, body, after_first=None):
@@ -475,3 +632,171 @@ def test_shutdown_past_its_drain_time_aborts(model):
         while engine.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.engine.pages_held_by_requests() == 0 and not engine.active and engine.in_flight == 0
+
+
+# ---------------------------------------------------------------- a fuzzed server
+# Request bodies drawn by hypothesis (the course profile derandomizes them: the same bodies on every
+# machine) against the real server process on 127.0.0.1, while a greedy request runs beside them.
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 65, 2 ** 65), st.floats(width=64),
+                         st.text(max_size=12), st.sampled_from(["\ud800", "☕" * 3, "\x00", ""]))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+EDGES = st.sampled_from([0, -1, 2 ** 31, 2 ** 63, 1e-39, 2.5, 1e308, float("nan"), float("inf"), True, "1", None,
+                         [], {}])
+RAW_BODIES = st.sampled_from([b"[" * 1000 + b"]" * 1000, b'{"model": "tiny-gpt", "prompt": ' + b"[" * 1000,
+                              b"\xff\xfe{}", b'{"model": "tiny', b"", b"1" * 5000, b"null", b'"x"'])
+WEIRD_PROMPTS = st.one_of(st.text(min_size=120, max_size=140), st.lists(st.integers(-3, 300), max_size=12),
+                          st.sampled_from(["", "\ud83d", "z" * 70_000, [[1, 2]], ["a", "b"], [True]]))
+
+
+def _field(small, *edges):
+    """A field's values: mostly small valid ones (a request the engine serves costs a few steps), else
+    the values at and just past the ends of its range."""
+    return st.one_of(small, small, small, st.sampled_from(edges))
+
+
+VALID = {
+    "max_tokens": _field(st.integers(1, 6), 0, 2 ** 31, 10 ** 6, 121),
+    "n": _field(st.integers(1, 3), 0, 8, 9),
+    "seed": _field(st.integers(0, 2 ** 40), -1, 2 ** 63 - 1, 2 ** 63),
+    "temperature": _field(st.floats(0, 2), -0.0, 1e-39, 5e-324, 3e-38, 1e-5, 2.0000001, -1e-300),
+    "top_p": _field(st.floats(0, 1, exclude_min=True), 0, 5e-324, 1.0000001),
+    "top_k": _field(st.integers(-1, 300), -2, 2 ** 31 - 1, 2 ** 31, 2 ** 63),
+    "min_p": _field(st.floats(0, 1), -5e-324, 1.5),
+    "stop": _field(st.one_of(st.text(min_size=1, max_size=2), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+                   "", [""], ["a"] * 5, "\ud800", [1]),
+    "stop_token_ids": _field(st.lists(st.integers(0, 255), max_size=2), [-1], [256], [True]),
+    "stream": _field(st.booleans(), 1, "yes"),
+    "user": _field(st.text(max_size=5), 5),
+    "frequency_penalty": _field(st.just(0), 0.5, -2),
+}
+VALID_COMPLETION = {**VALID, "logprobs": _field(st.integers(0, 5), -1, 6, True), "echo": _field(st.just(False), True),
+                    "suffix": _field(st.just(""), "x"), "best_of": _field(st.just(1), 0, 2)}
+VALID_CHAT = {**VALID, "logprobs": _field(st.booleans(), 1), "top_logprobs": _field(st.integers(0, 20), -1, 21),
+              "max_completion_tokens": _field(st.integers(1, 6), 0, 2 ** 31), "store": _field(st.just(False), True),
+              "response_format": _field(st.just({"type": "text"}), {"type": "json_object"})}
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                                           "content": st.text(max_size=8)}, optional={"name": st.text(min_size=1,
+                                                                                                     max_size=4)}),
+                    min_size=1, max_size=2)
+
+
+@st.composite
+def request_bodies(draw):
+    """(chat, body): a request (the model, a short prompt or messages, a few fields each at a small valid
+    value or at an end of its range) with 0 to 2 mutations: a field replaced by an edge value or any JSON
+    (nested, unicode, lone surrogates), an unknown field, a field removed, a prompt or messages that break
+    a rule. Now and then not an object, or not JSON at all (bytes: 1000 nested brackets, cut off, not UTF-8)."""
+    chat = draw(st.booleans())
+    if draw(st.integers(0, 14)) == 0:
+        return chat, draw(st.one_of(RAW_BODIES, JSON_VALUES))
+    valid = VALID_CHAT if chat else VALID_COMPLETION
+    body = {"model": "tiny-gpt", "max_tokens": draw(st.integers(1, 6))}
+    if chat:
+        body["messages"] = draw(MESSAGES)
+    else:
+        body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=24), st.lists(st.integers(0, 255), min_size=1,
+                                                                                    max_size=8)))
+    for name in draw(st.permutations(sorted(valid)))[:draw(st.integers(0, 4))]:
+        body[name] = draw(valid[name])
+    for _ in range(draw(st.integers(0, 2))):
+        kind = draw(st.sampled_from(["replace", "unknown", "remove", "prompt"]))
+        if kind == "replace":
+            body[draw(st.sampled_from(sorted(valid) + ["model", "messages" if chat else "prompt"]))] = \
+                draw(st.one_of(EDGES, JSON_VALUES))
+        elif kind == "unknown":
+            body[draw(st.sampled_from(["foo", "max_new_tokens", "repetition_penalty", "tools", "logit_bias"]))] = \
+                draw(JSON_VALUES)
+        elif kind == "remove":
+            body.pop(draw(st.sampled_from(sorted(body))))
+        elif chat:
+            body["messages"] = draw(st.lists(st.one_of(JSON_VALUES, st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "tool", "bogus"]), "content": JSON_VALUES})), max_size=2))
+        else:
+            body["prompt"] = draw(WEIRD_PROMPTS)
+    return chat, body
+
+
+def _check_ok(r: httpx.Response, chat: bool, body: dict) -> None:
+    """A 200 is a complete, well-formed answer: the openai package's own models parse it, every choice is
+    there and finished, and a stream ends with [DONE] and carries no error event."""
+    n = body.get("n") or 1
+    if not body.get("stream"):
+        out = (openai.types.chat.ChatCompletion if chat else openai.types.Completion).model_validate(r.json())
+        assert sorted(c.index for c in out.choices) == list(range(n))
+        assert all(c.finish_reason in ("stop", "length") for c in out.choices) and out.usage.total_tokens > 0
+        return
+    lines = [x[6:] for x in r.text.split("\n\n") if x.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", r.text[-300:]
+    kind = openai.types.chat.ChatCompletionChunk if chat else openai.types.Completion
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert all("error" not in c for c in chunks), r.text[-300:]
+    finished = {c.index for x in chunks for c in kind.model_validate(x).choices if c.finish_reason}
+    assert finished == set(range(n))
+
+
+def _check_refusal(r: httpx.Response, body) -> None:
+    """A refusal is a 4xx in OpenAI's shape; a JSON object that parsed gets the field at fault named."""
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"], err
+    sized = isinstance(body, dict) and len(json.dumps(body)) <= srv.MAX_BODY and srv.json_depth(body) <= srv.MAX_DEPTH
+    if sized:
+        assert err["param"] in set(body) | {"model", "prompt", "messages", "max_tokens"}, (err, body)
+
+
+class Beside:
+    """A greedy request sent again and again from a thread while the fuzz runs; ``stop()`` -> its texts."""
+
+    def __init__(self, base: str, prompt: str, max_tokens: int):
+        self.body = {"model": "tiny-gpt", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        self.base, self.texts, self.done = base, [], threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        with httpx.Client(timeout=TIMEOUT) as c:
+            while not self.done.is_set():
+                r = c.post(self.base + "/v1/completions", json=self.body)
+                self.texts.append(r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
+
+    def stop(self, at_least: int = 2) -> list[str]:
+        deadline = time.monotonic() + TIMEOUT
+        while len(self.texts) < at_least and time.monotonic() < deadline:   # when the fuzz was deselected
+            time.sleep(0.05)
+        self.done.set()
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive()
+        return self.texts
+
+
+@pytest.fixture(scope="module")
+def beside(server):
+    b = Beside(server, PROMPTS[4], 24)
+    yield b
+    b.stop()
+
+
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=request_bodies())
+@example(case=(False, {"model": "tiny-gpt", "prompt": "x", "top_k": 2 ** 31, "max_tokens": 2}))     # the probe's D1
+@example(case=(False, b"[" * 1000 + b"]" * 1000))                                                    # D3
+@example(case=(True, {"model": "tiny-gpt", "messages": [{"role": "user", "content": "\ud800"}]}))
+def test_fuzzed_bodies_get_an_answer_or_a_named_refusal_never_a_5xx(server, beside, case):
+    chat, body = case
+    url = server + ("/v1/chat/completions" if chat else "/v1/completions")
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8", "surrogatepass")
+    r = httpx.post(url, content=raw, timeout=TIMEOUT, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text[:500], body)
+    if r.status_code == 200:
+        _check_ok(r, chat, body)
+    else:
+        assert 400 <= r.status_code < 500 and r.status_code != 429
+        _check_refusal(r, body)
+
+
+def test_the_greedy_request_beside_the_fuzz_was_unchanged(server, beside, offline):
+    """Runs after the fuzz (file order): the request beside it completed, every time, with its offline text."""
+    texts, want = beside.stop(), offline(PROMPTS[4], 24)
+    assert len(texts) >= 2 and all(t == want for t in texts), (want, texts[:3])
+    _wait_idle(server)

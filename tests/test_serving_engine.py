@@ -10,6 +10,7 @@ import torch
 from kernels.model.data import encode
 from kernels.model.gpt import load_pretrained
 from kernels.serving.engine import Engine, EngineConfig, EngineStalled, reference_generate
+from kernels.serving import sampling as S
 from kernels.serving.sampling import SamplingParams
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING LEAR:\nBlow, winds, and crack your cheeks!",
@@ -193,6 +194,50 @@ def test_sampled_requests_in_a_mixed_batch_equal_their_draws_alone(model, sample
     assert len({tuple(v) for v in sampled_reference}) == len(PROMPTS)
     assert any(len({w[0] for w in step}) >= 3 for step in eng.history)
     _assert_pages_back(eng)
+
+
+def _poisoned(**kwargs) -> SamplingParams:
+    """Sampling parameters past SamplingParams' own checks (as a server bug would let through): top_k = 2**31
+    overflows the sampler's int32 tensor."""
+    params = SamplingParams(**kwargs)
+    object.__setattr__(params, "top_k", 2 ** 31)
+    return params
+
+
+@pytest.mark.parametrize("stage", ["sampler", "forward"])
+def test_a_failing_request_fails_alone(model, sampled_reference, stage):
+    """A poisoned request in a batch of healthy ones (greedy and seeded, arriving before and after it):
+    a step that raises in the sampler (top_k past int32) or in the forward (a token id past the
+    vocabulary) fails that request only, with reason "error" and its pages back; every other request
+    completes with the answer it gets alone. Engine.run() reports the failure once the others are done."""
+    eng = Engine(model, EngineConfig(chunk=5, max_tokens=12, page_size=4))
+    seqs = {i: eng.add(encode(PROMPTS[i]).tolist(), NEW, params=SAMPLED[i]) for i in (0, 1, 2)}
+    if stage == "sampler":
+        bad = eng.add(encode("O").tolist(), params=_poisoned(temperature=1.0, seed=5, n=2, max_tokens=NEW))
+    else:
+        bad = eng.add(encode("O").tolist(), NEW, params=SAMPLED[1])
+        bad.tokens[0] = bad.prompt[0] = model.config.vocab_size      # the embedding lookup raises
+    eng.step()
+    seqs.update({i: eng.add(encode(PROMPTS[i]).tolist(), NEW, params=SAMPLED[i]) for i in (3, 4)})
+    with pytest.raises(RuntimeError, match=rf"1 request\(s\) failed: request {bad.group}: "
+                                           rf"{'RuntimeError' if stage == 'sampler' else 'IndexError'}"):
+        eng.run()
+    assert bad.finished and bad.finish_reason == "error" and all(c.finish_reason == "error" for c in bad.children)
+    for i, seq in seqs.items():
+        assert seq.finish_reason == "length" and seq.generated == sampled_reference[i], f"request {i}"
+    assert any(len({w[0] for w in step}) >= 3 for step in eng.history) and not eng.failures
+    _assert_pages_back(eng)
+
+
+def test_without_isolation_the_poison_fails_everyone(model):
+    """The check above can fail: the batched sampler on its own raises for the whole batch."""
+    eng = Engine(model, EngineConfig())
+    eng._sample = lambda seqs, logits: (seqs, logits, eng.sampler(logits, [
+        S.SampleRow(q.params, q.seed, q.choice, len(q.generated)) for q in seqs]))
+    eng.add(encode(PROMPTS[0]).tolist(), 4, params=SAMPLED[1])
+    eng.add(encode("O").tolist(), params=_poisoned(temperature=1.0, seed=5, max_tokens=4))
+    with pytest.raises(RuntimeError, match="overflow"):
+        eng.step()
 
 
 def test_n_choices_fork_and_share_the_prompt_copy_on_write(model):

@@ -112,6 +112,33 @@ def test_every_split_gives_the_same_product(split):
     assert_close(got, w4a16_matmul_ref(x, p, s, z, 128), dtype=torch.float32)
 
 
+def _exact_case(M, N, K, group, dtype, seed=0):
+    """Integer activations in [-8, 8], codes and zero points in [0, 15], power-of-two scales 2^-3 .. 1: every
+    product and every partial sum is a multiple of 2^-3 below 2^16, exact in fp32 (x and W are exact in fp16;
+    an fp16 output is rounded once, from the exact fp32 sum, as the float64 product is)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-8, 9, (M, K), generator=g).double()
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    s = 2.0 ** -torch.randint(0, 4, (N, K // group), generator=g).double()
+    z = torch.randint(0, 16, (N, K // group), generator=g, dtype=torch.uint8)
+    return x.to(DEVICE, dtype), intq.pack_int4(q).to(DEVICE), s.to(DEVICE, dtype), z.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_split_k_is_exact_where_fp32_sums_are(dtype):
+    """Where every partial sum is exact in fp32, the default split (4 at M = 1, N = 130, K = 512) and every
+    other split give the float64 product rounded once to the output dtype, bit for bit; a reduction that
+    drops its last partial does not."""
+    M, N, K = 1, 130, 512
+    x, p, s, z = _exact_case(M, N, K, 128, dtype, seed=8)
+    assert W.choose_split_k(M, N, K, 128) == 4
+    want = w4a16_matmul_ref(x, p, s, z, 128).to(dtype)
+    assert want.abs().max() < 2 ** 16                                 # |sum| <= K * 8 * 15: 19 bits with the 2^-3 step
+    for split in (None, 1, 2, 4):
+        assert torch.equal(w4a16_matmul(x, p, s, z, 128, split_k=split), want), split
+    assert not torch.equal(w4a16_matmul(x, p, s, z, 128, _drop_partial=True), want)
+
+
 def test_a_split_k_reduction_that_drops_a_partial_is_caught():
     x, p, s, z = _case(1, 130, 512, 128, torch.float32, seed=6)
     assert W.choose_split_k(1, 130, 512, 128) == 4

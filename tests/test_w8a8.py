@@ -91,16 +91,42 @@ def test_bad_input():
         w8a8_matmul(xq, wq, xs, ws, out_dtype=torch.int32)
 
 
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between two fp32 tensors in units in the last place (same-sign values)."""
+    return int((a.cpu().view(torch.int32).long() - b.cpu().view(torch.int32).long()).abs().max())
+
+
+@pytest.mark.parametrize("M,N,K,splits", [(37, 129, 200, (None, 1, 2)), (2, 70, 640, (1, 2, 5, 10))])
+def test_split_k_is_exact(M, N, K, splits):
+    """Every split, the default one included (4 at M = 37 under the interpreter), gives the same bits:
+    the exact integer product (int64 on the host) scaled once in fp32, fl(fl(fl(acc) a_m) w_n) (equation 1'),
+    for fp32 and fp16 outputs; that is within 1 ulp of the exact product scaled in float64 and rounded
+    once to fp32. The old epilogue (each partial scaled, the fp32 partials summed) is not."""
+    (xq, wq, xs, ws), _, _ = _case(M, N, K, seed=7)
+    assert W.choose_split_k(M, N, K, W.tile_for(M, on_gpu=False)) > 1
+    acc = W.integer_product(xq, wq)
+    exact = W.scale_epilogue(acc, xs.cpu(), ws.cpu())
+    float64_scaled = (acc.double() * xs.cpu().double()[:, None] * ws.cpu().double()[None, :]).float()
+    assert _ulps(exact, float64_scaled) <= 1 and (exact * float64_scaled >= 0).all()
+    for split in splits:
+        assert torch.equal(w8a8_matmul(xq, wq, xs, ws, split_k=split).cpu(), exact), split
+    assert torch.equal(w8a8_matmul(xq, wq, xs, ws, out_dtype=torch.float16, split_k=splits[-1]).cpu(),
+                       W.scale_epilogue(acc, xs.cpu(), ws.cpu(), torch.float16))
+    broken = w8a8_matmul(xq, wq, xs, ws, split_k=splits[-1], _scale_partials=True).cpu()
+    assert not torch.equal(broken, exact) and _ulps(broken, exact) > 16
+
+
 def test_split_k_at_decode():
-    """M = 1 splits K (the rule of kernels.quant.w4a16.split_for); every split gives the reference, and a
-    split that does not divide the K steps is refused."""
+    """M = 1 splits K (the rule of kernels.quant.w4a16.split_for); a split that does not divide the K
+    steps is refused, and so is a K whose int32 sums could overflow."""
     tile = W.tile_for(1, on_gpu=False)
     assert W.choose_split_k(1, 130, 1000, tile) == 16 and W.choose_split_k(1, 4096, 4096, W.DECODE_TILE) == 4
     (xq, wq, xs, ws), _, _ = _case(2, 70, 640, seed=7)
-    for split in (1, 2, 5, 10):
-        assert_close(w8a8_matmul(xq, wq, xs, ws, split_k=split), w8a8_matmul_ref(xq, wq, xs, ws), dtype=torch.float32)
     with pytest.raises(ValueError, match="split_k must be a positive int dividing the 10 K steps"):
         w8a8_matmul(xq, wq, xs, ws, split_k=3)
+    big = torch.zeros(1, W.MAX_K + 1, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="would overflow the int32 accumulator: at most 131071"):
+        w8a8_matmul(big, big, xs[:1], ws[:1])
 
 
 def _rms_case(M, K, seed):

@@ -27,6 +27,13 @@ in a fixed order (deterministic, unlike atomics):
 :func:`choose_split_k` picks S: the smallest power of two that gives at least one program per SM,
 with every chunk a whole number of K steps. At large M there are enough tiles and S = 1.
 
+What the split costs in exactness: nothing beyond fp32 accumulation. Each product x_mk W_nk of two fp16
+values is exact in fp32; the sums round, split or not; the partials stay fp32 (never the output
+dtype) and the output is rounded to x's dtype once. So a split result differs from the unsplit one
+only by the order of the fp32 additions, and where every partial sum is exactly representable in
+fp32 (integer activations, power-of-two scales: tests/test_w4a16.py) split, unsplit and the float64
+product are the same bits. Unlike W8A8's int32 sums, a float sum cannot be made exact for any input.
+
 Shapes: x (M, K) fp16/fp32; w_packed (N, K / 2) uint8 (:func:`kernels.quant.intq.pack_int4`, low
 nibble = even k); scales (N, K / g) in x's dtype or fp32; zeros (N, K / g) uint8 codes; y (M, N) in x's dtype.
 """

@@ -6,14 +6,25 @@ With per-token activation scales a_m (X_mk ~ a_m Xq_mk) and per-output-channel w
 
     Y_mn = sum_k X_mk W_nk ~ a_m w_n sum_k Xq_mk Wq_nk                    (1)
 
-so the inner sum is an exact integer dot product (|Xq Wq| <= 127^2 per term: K up to 2^31 / 127^2 ~ 133k
-terms fit int32) done by the integer tensor cores, and the two scales are one multiply per
+so the inner sum is an exact integer dot product (|Xq Wq| <= 128^2 per term: up to (2^31 - 1) // 128^2 =
+131071 terms fit int32, :data:`MAX_K`) done by the integer tensor cores, and the two scales are one multiply per
 output in the epilogue. A per-input-channel (k) scale would not factor out of the sum: that is
 why SmoothQuant moves the k-dependence into the weights offline instead (kernels.quant.smoothquant).
 
 At decode (M of a few tokens) the output tiles do not fill the GPU; the K loop is then split as in
-:mod:`kernels.quant.w4a16` (same rule, :func:`kernels.quant.w4a16.split_for`): each split applies
-the scales to its partial sum and the fp32 partials are added in a fixed order.
+:mod:`kernels.quant.w4a16` (same rule, :func:`kernels.quant.w4a16.split_for`). Each split writes its
+int32 partial sum unscaled; the partials are added as integers (exact, in any order) and the scales
+are applied once, by :func:`scale_epilogue`, the same fp32 arithmetic as the unsplit kernel's:
+
+    y_mn = fl(fl(fl(acc_mn) a_m) w_n),   acc_mn = sum_s acc^(s)_mn  (exact)      (1')
+
+fl = round to nearest even in fp32 (fl(acc) is exact while |acc| < 2^24). The output is therefore the
+same bits whatever the split, and two fp32 roundings (three once |acc| passes 2^24) away from the
+exact a_m w_n acc_mn: the tests compare it with the exact integer product scaled in float64 and
+rounded once to fp32, 1 ulp apart at most on their cases. Scaling each partial and summing the fp32
+partials instead (this module's first version) rounds every partial and then cancels: where the
+partials nearly cancel the output loses most of its digits (hundreds of ulps at M=37, N=129, K=200,
+tests/test_w8a8.py).
 
 The activations a linear reads come out of an RMSNorm. Quantizing them in a separate pass reads
 and writes X once more; :func:`rms_norm_quant` does the norm, the row's absmax and the int8 codes
@@ -52,6 +63,7 @@ DECODE_TILE = Tile(16, 64, 128, 4, 4)          # M <= 16
 PREFILL_TILE = Tile(128, 128, 128, 8, 3)       # M > 16
 CPU_TILE = Tile(64, 64, 64, 4, 1)
 DECODE_MAX_M = 16
+MAX_K = (2 ** 31 - 1) // 128 ** 2              # int8 x int8 products of at most 2^14: K of them fit int32
 
 
 def w8a8_matmul_ref(xq, wq, x_scale, w_scale):
@@ -60,11 +72,24 @@ def w8a8_matmul_ref(xq, wq, x_scale, w_scale):
     return (acc * x_scale.double()[:, None] * w_scale.double()[None, :]).float()
 
 
+def integer_product(xq, wq) -> torch.Tensor:
+    """sum_k Xq_mk Wq_nk exactly: (M, N) int64 (an int64 matmul on the host, no float on the way)."""
+    return xq.long().cpu() @ wq.long().cpu().T
+
+
+def scale_epilogue(acc, x_scale, w_scale, out_dtype=torch.float32):
+    """Equation (1'): the exact integer sums acc (M, N) scaled once, in the kernel's fp32 order,
+    fl(fl(fl(acc) a_m) w_n), then cast to ``out_dtype``."""
+    y = acc.to(torch.float32) * x_scale.to(acc.device)[:, None]
+    return (y * w_scale.to(acc.device)[None, :]).to(out_dtype)
+
+
 @triton.jit
 def _w8a8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, steps_per_split,
                  stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SCALE_BY_ROW: tl.constexpr):
+                 SCALE: tl.constexpr, SCALE_BY_ROW: tl.constexpr):
+    """SCALE: apply a_m w_n and store y (M, N); else store this K chunk's int32 sums (split-K partials)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)                                           # K chunk (split-K), 0 without a split
@@ -83,16 +108,19 @@ def _w8a8_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, steps_per_split,
         xq = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0)  # (BM, BK) int8
         wq = tl.load(w_cols + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0)  # (BK, BN) int8
         acc = tl.dot(xq, wq, acc, out_dtype=tl.int32)                  # sum_k Xq_mk Wq_nk in int32
-    xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)                # a_m (BM,)
-    if SCALE_BY_ROW:
-        ws = tl.load(ws_ptr + offs_m, mask=m_ok, other=0.0)            # broken: channel scale indexed by token
-        y = acc.to(tl.float32) * xs[:, None] * ws[:, None]
-    else:
-        ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)            # w_n (BN,)
-        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]             # Y = a_m w_n acc_mn
     y_ptrs = (y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym
               + offs_n[None, :] * stride_yn)
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SCALE:
+        xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)            # a_m (BM,)
+        if SCALE_BY_ROW:
+            ws = tl.load(ws_ptr + offs_m, mask=m_ok, other=0.0)        # broken: channel scale indexed by token
+            y = acc.to(tl.float32) * xs[:, None] * ws[:, None]
+        else:
+            ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)        # w_n (BN,)
+            y = acc.to(tl.float32) * xs[:, None] * ws[None, :]         # Y = a_m w_n acc_mn
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])      # int32 partial, scaled after the sum
 
 
 def _check(xq, wq, x_scale, w_scale):
@@ -101,6 +129,8 @@ def _check(xq, wq, x_scale, w_scale):
             raise ValueError(f"{name} must be a 2-D int8 tensor, got {t.dtype} with shape {tuple(t.shape)}")
     if xq.shape[1] != wq.shape[1]:
         raise ValueError(f"xq (M, K) and wq (N, K) disagree on K: {xq.shape[1]} vs {wq.shape[1]}")
+    if xq.shape[1] > MAX_K:
+        raise ValueError(f"K={xq.shape[1]} would overflow the int32 accumulator: at most {MAX_K} ((2^31 - 1) // 128^2)")
     for name, t, n in (("x_scale", x_scale, xq.shape[0]), ("w_scale", w_scale, wq.shape[0])):
         if t.shape != (n,) or t.dtype != torch.float32:
             raise ValueError(f"{name} must be fp32 of shape ({n},), got {t.dtype} {tuple(t.shape)}")
@@ -124,9 +154,11 @@ def choose_split_k(M: int, N: int, K: int, tile: Tile, *, num_sms: int = H100_SM
     return split_for(tiles, triton.cdiv(K, tile.block_k), num_sms)
 
 
-def _launch_args(xq, wq, x_scale, w_scale, y, *, tile: Tile, split_k: int, scale_by_row: bool = False):
+def _launch_args(xq, wq, x_scale, w_scale, y, *, tile: Tile, split_k: int, scale_by_row: bool = False,
+                 scale_partials: bool = False):
     """(grid, args, kwargs) of one launch of :func:`_w8a8_kernel`, for :func:`w8a8_matmul` and for
-    :func:`compile_jobs` alike. ``y`` is (M, N), or the fp32 partials (split_k, M, N) when split."""
+    :func:`compile_jobs` alike. ``y`` is (M, N), or the int32 partials (split_k, M, N) when split
+    (fp32 scaled partials with ``scale_partials``, the broken variant)."""
     M, K = xq.shape
     N = wq.shape[0]
     steps = triton.cdiv(K, tile.block_k) // split_k
@@ -135,23 +167,27 @@ def _launch_args(xq, wq, x_scale, w_scale, y, *, tile: Tile, split_k: int, scale
     grid = (triton.cdiv(M, tile.block_m), triton.cdiv(N, tile.block_n), split_k)
     args = (xq, wq, x_scale, w_scale, y, M, N, K, steps,
             xq.stride(0), xq.stride(1), wq.stride(0), wq.stride(1), ys, ym, yn)
-    kwargs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SCALE_BY_ROW=scale_by_row,
+    kwargs = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                  SCALE=split_k == 1 or scale_partials, SCALE_BY_ROW=scale_by_row,
                   num_warps=tile.num_warps, num_stages=tile.num_stages)
     return grid, args, kwargs
 
 
-def _output(M: int, N: int, split_k: int, out_dtype, device) -> torch.Tensor:
+def _output(M: int, N: int, split_k: int, out_dtype, device, scale_partials: bool = False) -> torch.Tensor:
     if split_k == 1:
         return torch.empty(M, N, dtype=out_dtype, device=device)
-    return torch.empty(split_k, M, N, dtype=torch.float32, device=device)
+    return torch.empty(split_k, M, N, dtype=torch.float32 if scale_partials else torch.int32, device=device)
 
 
 def w8a8_matmul(xq, wq, x_scale, w_scale, *, out_dtype=torch.float32, tile: Tile | None = None,
-                split_k: int | None = None, _scale_by_row=False):
-    """y (M, N) = x_scale[:, None] * w_scale[None, :] * (xq @ wq^T), int32 accumulation (equation 1).
+                split_k: int | None = None, _scale_by_row=False, _scale_partials=False):
+    """y (M, N) = x_scale[:, None] * w_scale[None, :] * (xq @ wq^T), int32 accumulation (equation 1),
+    scaled once in fp32 (equation 1'): the same bits for every ``split_k``.
 
     ``tile`` defaults to :func:`tile_for` (the GPU tiles on a GPU, :data:`CPU_TILE` under the
-    interpreter), ``split_k`` to :func:`choose_split_k` for the device's SMs."""
+    interpreter), ``split_k`` to :func:`choose_split_k` for the device's SMs. ``_scale_by_row`` and
+    ``_scale_partials`` (each split's partial scaled in fp32, then the fp32 partials summed) are the
+    broken variants the checks must catch."""
     _check(xq, wq, x_scale, w_scale)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"out_dtype must be float32 or float16, got {out_dtype}")
@@ -163,11 +199,15 @@ def w8a8_matmul(xq, wq, x_scale, w_scale, *, out_dtype=torch.float32, tile: Tile
         split_k = choose_split_k(M, N, K, tile, num_sms=device_sms(xq.device))
     if not isinstance(split_k, int) or split_k < 1 or steps % split_k:
         raise ValueError(f"split_k must be a positive int dividing the {steps} K steps, got {split_k!r}")
-    y = _output(M, N, split_k, out_dtype, xq.device)
+    y = _output(M, N, split_k, out_dtype, xq.device, _scale_partials)
     grid, args, kwargs = _launch_args(xq, wq, x_scale, w_scale, y, tile=tile, split_k=split_k,
-                                      scale_by_row=_scale_by_row)
+                                      scale_by_row=_scale_by_row, scale_partials=_scale_partials)
     _w8a8_kernel[grid](*args, **kwargs)
-    return y if split_k == 1 else y.sum(0).to(out_dtype)
+    if split_k == 1:
+        return y
+    if _scale_partials:
+        return y.sum(0).to(out_dtype)                                  # broken: rounded partials cancel
+    return scale_epilogue(y.sum(0, dtype=torch.int32), x_scale, w_scale, out_dtype)   # exact sum (|acc| < 2^31)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -44,6 +44,18 @@ for token under the same near-tie caveat: a run of gamma + 1 tokens attends like
 its logits agreeing with a decode's to about 1e-5. The drafter is an object the engine is given
 (it never imports kernels.speculative, which imports this package's sampler: no package cycle); the
 prefix cache, n > 1 choices and log-probs are refused with it.
+
+Failures. A request that gets past :meth:`Engine.check_request` may still make a stage raise (a
+parameter out of the kernels' range, a bug that one input triggers). One request must not fail the
+batch, so the two stages that work row by row find the culprit: if the step's forward raises, each
+run is forwarded again alone (a run's K, V and logits depend only on its own tokens and pages); if
+the sampler raises, each request's rows are sampled again alone (a row's draw depends only on its
+logits and its key, so the others' tokens are the ones the batch would have drawn). A request whose
+run or rows still raise is finished with reason "error" (its pages freed, never cached) and recorded
+in :attr:`Engine.failures`; the rest of the step goes on. A failure that no single request
+reproduces (every run passes alone: the batch itself is at fault, e.g. a batch larger than the
+captured CUDA graphs), or one outside those stages (the scheduler, speculative verification),
+names no request and still raises out of :meth:`Engine.step`.
 """
 from __future__ import annotations
 
@@ -59,12 +71,28 @@ from kernels.model.gpt import GPT, KVCache, add_rms_norm_torch, rms_norm_torch, 
 from kernels.serving.allocator import BlockAllocator
 from kernels.serving.kv_cache import PagedKVCache
 from kernels.serving.radix_cache import RadixCache
-from kernels.serving.sampling import Sampler, SampleRow, SamplingParams, row_key, uniform_ref
+from kernels.serving.sampling import Sampler, SampleRow, SamplerOutput, SamplingParams, row_key, uniform_ref
 from kernels.serving.scheduler import Scheduler, Sequence, Work
 
 
 class EngineStalled(RuntimeError):
     """The scheduler has requests but scheduled nothing: a bug, reported rather than spun on."""
+
+
+class RequestInvalid(ValueError):
+    """A request the engine could never serve; ``param`` is the request field at fault ("prompt",
+    "max_tokens", "n", "stop_token_ids", ...), ``code`` OpenAI's error code where it has one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass
+class Failure:
+    """A request that a step failed: its group (the id of its first sequence) and the error."""
+    group: int
+    error: str
 
 
 class PagedRunner:
@@ -238,32 +266,39 @@ class Engine:
         self.record_history = record_history                       # off in a long-running server
         self._next_id = 0
         self._seeds = random.Random(config.seed)
+        self.failures: list[Failure] = []                          # failed requests not yet taken
 
     def check_request(self, prompt: list[int], params: SamplingParams | int) -> None:
-        """Reject what the engine could never serve, with the reason (the server turns it into a 400)."""
+        """Reject what the engine could never serve, with the reason and the field at fault
+        (:class:`RequestInvalid`; the server turns it into a 400 naming that field)."""
         if isinstance(params, int) or params is None:
             if not isinstance(params, int) or isinstance(params, bool) or params < 1:
-                raise ValueError(f"max_tokens must be an integer >= 1, got {params!r}")
+                raise RequestInvalid(f"max_tokens must be an integer >= 1, got {params!r}", "max_tokens")
             params = SamplingParams(max_tokens=params)
         limit = self.model.config.block_size
         if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
+            raise RequestInvalid("the prompt is empty: at least one token is needed", "prompt")
         if len(prompt) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the "
-                             f"model's context of {limit} tokens")
+            # the prompt is at fault if it leaves no room for one token, else max_tokens is
+            raise RequestInvalid(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the "
+                                 f"model's context of {limit} tokens", "prompt" if len(prompt) >= limit else
+                                 "max_tokens", "context_length_exceeded")
         if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.num_pages:
-            raise ValueError("the request needs more KV pages than the whole cache holds")
+            raise RequestInvalid("the request needs more KV pages than the whole cache holds", "max_tokens")
         if params.n > self.config.max_seqs:
-            raise ValueError(f"n={params.n} choices need more batch seats than max_seqs={self.config.max_seqs}")
+            raise RequestInvalid(f"n={params.n} choices need more batch seats than max_seqs={self.config.max_seqs}",
+                                 "n")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError("token ids must lie in [0, vocab_size)")
+            raise RequestInvalid("token ids must lie in [0, vocab_size)", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+            raise RequestInvalid(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         if self.spec is not None and params.n > 1:
-            raise ValueError(f"n={params.n} choices are not served with speculative decoding (EngineConfig.speculative)")
+            raise RequestInvalid(f"n={params.n} choices are not served with speculative decoding "
+                                 f"(EngineConfig.speculative)", "n")
         if self.spec is not None and params.logprobs is not None:
-            raise ValueError("logprobs are not served with speculative decoding (EngineConfig.speculative)")
+            raise RequestInvalid("logprobs are not served with speculative decoding (EngineConfig.speculative)",
+                                 "logprobs")
 
     def add(self, prompt: list[int], max_new_tokens: int | None = None, *, params: SamplingParams | None = None) -> Sequence:
         """Queue a request; ``max_new_tokens`` (if given) overrides ``params.max_tokens``. Returns its
@@ -289,6 +324,19 @@ class Engine:
             self.scheduler.finish(s, "abort")
         seq.forks = 0
 
+    def _fail(self, group: int, err: Exception) -> None:
+        """Finish every choice of request ``group`` with reason "error" and record the failure."""
+        for s in [*self.scheduler.running, *self.scheduler.waiting]:
+            if s.group == group:
+                s.forks = 0
+                self.scheduler.finish(s, "error")
+        self.failures.append(Failure(group, f"{type(err).__name__}: {err}"))
+
+    def take_failures(self) -> list[Failure]:
+        """The requests failed since the last call (the server answers each with an error)."""
+        out, self.failures = self.failures, []
+        return out
+
     # ---------------------------------------------------------------- one step, in its stages
 
     def step(self) -> list[StepOutput]:
@@ -304,7 +352,7 @@ class Engine:
                                     f"running sequences, but nothing could be scheduled")
             return []
         self.runner.cache.copy(self.scheduler.copies)
-        logits = self.runner.forward(works)
+        works, logits = self._forward(works)
         t2 = time.perf_counter()
         for w in works:
             self.scheduler.computed(w)
@@ -328,6 +376,49 @@ class Engine:
             self.history.append([(w.seq.id, w.start, len(w.tokens), w.sample) for w in works])
         return out
 
+    def _forward(self, works: list[Work]) -> tuple[list[Work], torch.Tensor]:
+        """The step's forward -> (the runs that go on, their logits). If it raises, every run is forwarded
+        again alone and a request whose run still raises is failed (its other runs dropped too); if
+        every run passes alone, the batch itself was at fault and its error is raised."""
+        try:
+            return works, self.runner.forward(works)
+        except Exception as err:
+            batch_err = err
+        done, failed = [], len(self.failures)
+        for w in works:
+            try:
+                done.append((w, self.runner.forward([w])))
+            except Exception as err:
+                self._fail(w.seq.group, err)
+        if len(self.failures) == failed:
+            raise batch_err
+        done = [(w, rows) for w, rows in done if not w.seq.finished]
+        V = self.model.config.vocab_size
+        return [w for w, _ in done], torch.cat([rows for _, rows in done]) if done else torch.empty(0, V)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor):
+        """The sampler over the step's rows -> (the choices that go on, their logits rows, the draws). If it
+        raises, each request's rows are drawn again alone and a request whose rows still raise is failed;
+        if every request's rows pass alone, the batch's error is raised."""
+        rows = [SampleRow(s.params, s.seed, s.choice, len(s.generated)) for s in seqs]
+        try:
+            return seqs, logits, self.sampler(logits, rows)
+        except Exception as err:
+            batch_err = err
+        keep, tokens, lps, tops, failed = [], [], [], [], len(self.failures)
+        for group in dict.fromkeys(s.group for s in seqs):
+            idx = [j for j, s in enumerate(seqs) if s.group == group]
+            try:
+                drawn = self.sampler(logits[idx], [rows[j] for j in idx])
+            except Exception as err:
+                self._fail(group, err)
+                continue
+            keep += idx
+            tokens, lps, tops = tokens + drawn.tokens, lps + drawn.logprobs, tops + drawn.top_logprobs
+        if len(self.failures) == failed:
+            raise batch_err
+        return [seqs[j] for j in keep], logits[keep], SamplerOutput(tokens, lps, tops)
+
     def _rows(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The choices that draw a token this step and the logits row of each: a request with n > 1
         forks at its first sample, its new choices drawing from the same row."""
@@ -344,8 +435,7 @@ class Engine:
 
     def _commit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Sample, append, record, stop."""
-        rows = [SampleRow(s.params, s.seed, s.choice, len(s.generated)) for s in seqs]
-        drawn = self.sampler(logits, rows)
+        seqs, logits, drawn = self._sample(seqs, logits)
         out = []
         for j, seq in enumerate(seqs):
             token = drawn.tokens[j]
@@ -420,9 +510,13 @@ class Engine:
         return out
 
     def run(self, max_steps: int = 100_000) -> None:
-        """Step until every added sequence has finished."""
+        """Step until every added sequence has finished; raises if a request failed on the way (the
+        others have finished by then)."""
         for _ in range(max_steps):
             if not self.scheduler.has_work():
+                if self.failures:
+                    raise RuntimeError(f"run: {len(self.failures)} request(s) failed: "
+                                       + "; ".join(f"request {f.group}: {f.error}" for f in self.take_failures()))
                 return
             self.step()
         raise RuntimeError(f"run: not finished after {max_steps} steps")

@@ -14,6 +14,16 @@ the order of Hugging Face's logits warpers (temperature, top-k, top-p, min-p; tr
 generation/logits_process.py), with the same tie rule for top-k (values equal to the k-th are kept).
 T = 0 is greedy: argmax of the logits, the first index among equal maxima, as torch.argmax.
 
+Every T below :data:`GREEDY_BELOW` = 1e-5 is greedy too. In fp32, 1/T overflows to inf below about
+2.9e-39 and z = logit / T overflows wherever |logit| / T > 3.4e38: z - max z is then inf - inf = NaN
+and the draw returns garbage (the server answered NUL bytes at T = 1e-39, random bytes at 1e-38)
+with nothing to show for it. At 1e-5 a logit of up to 3.4e33 still scales finitely, and drawing
+greedily instead of at T = 1e-5 changes the answer only where another token's logit lies within
+about 1e-5 * ln(V) of the largest (only then is its probability at T = 1e-5 above 1/V). vLLM uses
+the same threshold (``_SAMPLING_EPS = 1e-5``: below it, greedy; vllm-project/vllm@00388f65,
+vllm/sampling_params.py) and also raises any 0 < T < 1e-2 to 1e-2. top_k is an int32 in the
+kernels: at most :data:`TOP_K_MAX` = 2**31 - 1 (any k >= V keeps everything).
+
 A token is drawn from q by the Gumbel-max trick: i* = argmax_{kept i} z_i + g_i, g_i = -log(-log u_i),
 u_i uniform in (0, 1); P(i* = i) = q_i exactly. The uniforms are counter-based (Philox4x32-10,
 Salmon et al. 2011, the generator of tl.randint): u_i depends only on the row's key and on i, so
@@ -54,6 +64,9 @@ import triton.language as tl
 from kernels import runtime
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5                         # temperatures below this are greedy (module docstring)
+TOP_K_MAX = 2 ** 31 - 1                     # top_k travels as int32
+_GREEDY_BELOW = tl.constexpr(GREEDY_BELOW)
 ONE_BITS = 0x3F800000                       # the bit pattern of 1.0f
 BISECT_STEPS = 30                           # 2**30 > ONE_BITS + 1: the bisection ends on one pattern
 LOG2E = 1.4426950408889634
@@ -63,7 +76,8 @@ LOG2E = 1.4426950408889634
 class SamplingParams:
     """One request's sampling and stopping parameters (the engine's; the server maps OpenAI fields to them).
 
-    temperature 0 is greedy. top_k None (or 0) keeps every token; top_p 1 and min_p 0 are off.
+    temperature 0 (or below GREEDY_BELOW) is greedy. top_k None (or 0) keeps every token (at most
+    TOP_K_MAX); top_p 1 and min_p 0 are off.
     seed None: the engine draws one from its own generator. n choices share the prompt's pages.
     stop_token_ids end a choice when sampled (the token is not part of the answer's text).
     logprobs None: none returned; k >= 0: the chosen token's and the k most likely.
@@ -85,8 +99,9 @@ class SamplingParams:
         if not isinstance(self.temperature, num) or isinstance(self.temperature, bool) or \
                 not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", "a finite number >= 0")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0):
-            bad("top_k", "None or an int >= 0 (0: off)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                       or not 0 <= self.top_k <= TOP_K_MAX):
+            bad("top_k", f"None or an int in [0, {TOP_K_MAX}] (0: off)")
         if not isinstance(self.top_p, num) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
         if not isinstance(self.min_p, num) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
@@ -106,7 +121,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,8 +175,8 @@ def uniform_ref(keys: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _row_params(params: list[SamplingParams], device=None):
-    """Per-row tensors: temperature, top_k (0 = off), top_p, min_p."""
-    t = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    """Per-row tensors: temperature (0 for a greedy row), top_k (0 = off), top_p, min_p."""
+    t = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device)
     k = torch.tensor([p.top_k or 0 for p in params], dtype=torch.int32, device=device)
     tp = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     mp = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
@@ -169,9 +184,10 @@ def _row_params(params: list[SamplingParams], device=None):
 
 
 def scaled_exp_ref(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """z = logits / T (T = 0 rows: logits) and e = exp(z - max z), both (R, V) float32, computed as the
-    kernel computes them (a reciprocal, exp2), so both keep the same tokens."""
-    inv_t = 1.0 / torch.where(temperature > 0, temperature, torch.ones_like(temperature))   # as the kernel: z = l * (1/T)
+    """z = logits / T (greedy rows, T < GREEDY_BELOW: logits) and e = exp(z - max z), both (R, V) float32,
+    computed as the kernel computes them (a reciprocal, exp2), so both keep the same tokens."""
+    hot = temperature >= GREEDY_BELOW
+    inv_t = 1.0 / torch.where(hot, temperature, torch.ones_like(temperature))   # as the kernel: z = l * (1/T)
     z = logits.float() * inv_t[:, None]
     return z, torch.exp2((z - z.max(dim=-1, keepdim=True).values) * LOG2E)
 
@@ -196,7 +212,7 @@ def processed_probs_ref(logits: torch.Tensor, params: list[SamplingParams]) -> t
     kept = torch.where(e >= keep_threshold_ref(e, k, tp, mp)[:, None], e, torch.zeros_like(e))
     q = kept / kept.sum(-1, keepdim=True)
     greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return torch.where((t == 0)[:, None], greedy, q)
+    return torch.where((t < GREEDY_BELOW)[:, None], greedy, q)
 
 
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -210,7 +226,7 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     g = -torch.log(-torch.log(u))                                             # Gumbel(0, 1)
     scores = torch.where(keep[:, None, :], z[:, None, :] + g, torch.full_like(g, float("-inf")))
     tokens = scores.argmax(-1)                                                # (R, S)
-    greedy = (temperature == 0)
+    greedy = temperature < GREEDY_BELOW
     tokens = torch.where(greedy[:, None], logits.argmax(-1, keepdim=True).expand(R, num_samples), tokens)
     kept = torch.where(greedy, torch.ones_like(top_k), keep.sum(-1).int())
     return tokens, kept
@@ -247,7 +263,7 @@ def _sample_kernel(
     r = tl.program_id(0)
     row_ptr = logits_ptr + r.to(tl.int64) * stride_row            # r * stride passes 2**31 at real sizes
     T = tl.load(temp_ptr + r)
-    greedy = T == 0
+    greedy = T < _GREEDY_BELOW                                      # T = 0, or too small for 1/T in fp32
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, T))
     # pass 1: m = max z and the first index holding it (greedy's answer)
     m = tl.full((), float("-inf"), tl.float32)

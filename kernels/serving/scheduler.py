@@ -72,7 +72,7 @@ class Sequence:
     cached_tokens: int = 0                               # prompt tokens taken from the prefix cache
     preemptions: int = 0
     finished: bool = False
-    finish_reason: str | None = None                     # "length", "stop" or "abort"
+    finish_reason: str | None = None                     # "length", "stop", "abort" or "error"
     choice: int = 0                                      # index among a request's n choices
     group: int = -1                                      # id of the request's first sequence
     forks: int = 0                                       # choices still to fork at the first sample
@@ -302,6 +302,6 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if self.cache is not None and seq.table and reason != "abort":
+        if self.cache is not None and seq.table and reason not in ("abort", "error"):
             self._cache_pages(seq)
         self.release(seq)

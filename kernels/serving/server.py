@@ -13,9 +13,14 @@ queue. The handler detokenizes incrementally with the request's stop strings
 (kernels.serving.detokenizer), frames the text, and finishes a choice when a stop string completes.
 
 Admission and failure: at most ``max_seqs + max_queue`` requests are in flight; one more gets a
-429. A request that has not finished after ``request_timeout`` seconds is aborted (504, or an error
-event in a stream). An exception in an engine step fails the requests in that step's engine with a
-500 ``server_error`` and the engine carries on. A client that goes away is noticed both when
+429 with ``Retry-After``. A body longer than ``max_body`` bytes is refused (413) before it is parsed,
+one nested deeper than :data:`MAX_DEPTH` before it is validated. A request that has not finished
+after ``request_timeout`` seconds is aborted (504, or an error event in a stream). A request that
+makes an engine stage raise fails alone with a 500 ``server_error`` and the batch goes on
+(kernels.serving.engine, "Failures"); a step that fails where no request can be singled out fails
+every request in flight, and the engine carries on. Every error, unknown routes (404) and methods
+(405) included, has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, ``param``
+naming the request field at fault where there is one. A client that goes away is noticed both when
 streaming (the response generator is closed) and when not: the handler races the answer against
 the ASGI ``http.disconnect`` message (Starlette does not cancel a plain handler when its client
 leaves; vLLM added ``with_cancellation`` for the same reason). Either way the request is aborted
@@ -39,12 +44,14 @@ from dataclasses import dataclass, field
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kernels.model.data import encode
 from kernels.model.gpt import GPT, load_pretrained
 from kernels.serving.detokenizer import Detokenizer
-from kernels.serving.engine import Engine, EngineConfig
-from kernels.serving.sampling import SamplingParams
+from kernels.serving.engine import Engine, EngineConfig, RequestInvalid
+from kernels.serving.sampling import GREEDY_BELOW, TOP_K_MAX, SamplingParams
 
 MODEL_NAME = "tiny-gpt"
 DEFAULT_MAX_TOKENS = 16               # OpenAI's default for /v1/completions
@@ -52,6 +59,9 @@ MAX_STOP = 4                          # OpenAI accepts up to 4 stop strings
 MAX_N = 8
 COMPLETION_LOGPROBS = 5               # /v1/completions: logprobs in 0..5; chat top_logprobs in 0..20
 CHAT_TOP_LOGPROBS = 20
+MAX_BODY = 64 * 1024                  # bytes: a request that fits the 128-token context is a few KiB of JSON
+MAX_DEPTH = 32                        # JSON nesting: the deepest a valid body goes (a chat content part) is 5
+RETRY_AFTER_S = 1                     # a 429's Retry-After: a request's step takes milliseconds, the queue drains
 
 
 class BadRequest(ValueError):
@@ -87,14 +97,16 @@ COMMON = {
     "stop": Field(SERVED, f"a string or up to {MAX_STOP}; checked on decoded text across tokens, never sent"),
     "stream": Field(SERVED, "server-sent events, data: [DONE] at the end"),
     "stream_options": Field(SERVED, "include_usage: a last chunk with usage (choices []); include_obfuscation refused"),
-    "temperature": Field(SERVED, "0..2; 0 is greedy (exact argmax)"),
+    "temperature": Field(SERVED, f"0..2; 0 is greedy (exact argmax), and so is any T < {GREEDY_BELOW:g} "
+                                 "(1/T would overflow fp32)"),
     "top_p": Field(SERVED, "(0, 1]: nucleus on the temperature-scaled distribution"),
     "frequency_penalty": Field(DEFAULT_ONLY, "penalties are not implemented", (0, 0.0)),
     "presence_penalty": Field(DEFAULT_ONLY, "penalties are not implemented", (0, 0.0)),
     "logit_bias": Field(DEFAULT_ONLY, "not implemented", ({},)),
     "user": Field(IDENTIFIER, "a string naming the end user; it changes nothing in the answer"),
     # vLLM's extensions (vllm/entrypoints/openai/protocol.py), not in OpenAI's schema
-    "top_k": Field(SERVED, "vLLM extension: keep the k most likely (ties kept); 0 or -1: off"),
+    "top_k": Field(SERVED, f"vLLM extension: keep the k most likely (ties kept); 0 or -1: off; at most {TOP_K_MAX} "
+                           "(an int32 in the sampler)"),
     "min_p": Field(SERVED, "vLLM extension: keep p >= min_p * p_max"),
     "stop_token_ids": Field(SERVED, "vLLM extension: token ids that end a choice (not sent)"),
 }
@@ -226,6 +238,14 @@ def _int(body, name, lo, hi, default):
     return v
 
 
+def _utf8(text: str, param: str) -> list[int]:
+    """The token ids (UTF-8 bytes) of ``text``; a lone surrogate (JSON allows "\\ud800") has none."""
+    try:
+        return encode(text).tolist()
+    except UnicodeEncodeError as err:
+        raise BadRequest(f"{param} is not valid Unicode text: {err.reason} at index {err.start}", param) from None
+
+
 def _prompt_ids(body) -> list[int]:
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -233,7 +253,7 @@ def _prompt_ids(body) -> list[int]:
     if isinstance(p, str):
         if not p:
             raise BadRequest("prompt is empty: at least one token is needed", "prompt")
-        return encode(p).tolist()
+        return _utf8(p, "prompt")
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if any(not 0 <= t < 256 for t in p):
             raise BadRequest("prompt token ids must lie in [0, 256)", "prompt")
@@ -265,7 +285,7 @@ def parse_request(body, chat: bool, context: int = 128) -> Parsed:
         raise BadRequest(f"The model {model!r} does not exist; this server serves {MODEL_NAME!r}", "model",
                          status=404, code="model_not_found")
     check_fields(body, chat)
-    prompt = encode(chat_prompt(body.get("messages"))).tolist() if chat else _prompt_ids(body)
+    prompt = _utf8(chat_prompt(body.get("messages")), "messages") if chat else _prompt_ids(body)
     if chat and body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -307,7 +327,7 @@ def parse_request(body, chat: bool, context: int = 128) -> Parsed:
         logprobs = (top or 0) if want else None
     else:
         logprobs = _int(body, "logprobs", 0, COMPLETION_LOGPROBS, None)
-    top_k = _int(body, "top_k", -1, 2 ** 31, 0)
+    top_k = _int(body, "top_k", -1, TOP_K_MAX, 0)
     seed = _int(body, "seed", 0, 2 ** 63 - 1, None)
     params = SamplingParams(temperature=_number(body, "temperature", 0, 2, 1.0),
                             top_p=_number(body, "top_p", 0, 1, 1.0, lo_open=True),
@@ -358,7 +378,7 @@ class EngineThread:
         self.thread.start()
 
     def submit(self, h: Handle) -> None:
-        """Queue a request; raises ValueError (400) for what the engine could never serve, ServerBusy (429)."""
+        """Queue a request; raises RequestInvalid (400) for what the engine could never serve, ServerBusy (429)."""
         self.engine.check_request(h.req.prompt, h.req.params)
         with self.count_lock:
             if self.closing:
@@ -410,13 +430,21 @@ class EngineThread:
     def _step(self) -> None:
         try:
             out = self.engine.step()
-        except Exception as err:                          # fail the requests, not the server
+        except Exception as err:                          # no request to single out: fail them, not the server
             self.errors += 1
+            self.engine.take_failures()                   # any singled out before the raise are failed below too
             for h in list(self.active.values()):
                 self.engine.abort(h.seq)
                 h.push(("error", f"engine error: {type(err).__name__}: {err}"))
                 self._done(h)
             return
+        failed = self.engine.take_failures()              # requests the engine failed alone; the batch went on
+        self.errors += bool(failed)
+        for f in failed:
+            h = self.active.get(f.group)
+            if h is not None:
+                h.push(("error", f"engine error: {f.error}"))
+                self._done(h)
         touched = {}
         for o in out:
             h = self.active.get(o.seq.group)
@@ -472,9 +500,49 @@ class EngineThread:
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={"error": {
         "message": message, "type": kind, "param": param, "code": code}})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (:class:`BodyTooLarge`) as soon as it passes ``limit`` bytes: by its
+    Content-Length before a byte is read, or while it streams in (a chunked body has none)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():                  # raises ClientDisconnect if the client leaves
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_depth(value) -> int:
+    """Nesting depth of a decoded JSON value: 0 for a scalar, 1 for a flat list or object (no recursion)."""
+    depth, level = 0, [value]
+    while True:
+        level = [x for x in level if isinstance(x, (list, dict))]
+        if not level:
+            return depth
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)]
+
+
+def request_field(param: str | None, chat: bool, body: dict) -> str | None:
+    """The request's own name for an engine field: the chat prompt is ``messages``, and chat may give
+    ``max_completion_tokens`` for max_tokens."""
+    if chat and param == "prompt":
+        return "messages"
+    if chat and param == "max_tokens" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return param
 
 
 def token_text(token: int) -> str:
@@ -685,7 +753,7 @@ async def with_disconnect(request: Request, answer, on_disconnect):
 
 
 def create_app(model: GPT | None = None, config: EngineConfig = EngineConfig(), *, max_queue: int = 64,
-               request_timeout: float = 300.0) -> FastAPI:
+               request_timeout: float = 300.0, max_body: int = MAX_BODY) -> FastAPI:
     """The FastAPI app with its engine thread (started with the app, stopped and joined at shutdown)."""
     model = model if model is not None else load_pretrained()
     engine = EngineThread(Engine(model, config, record_history=False), max_queue=max_queue)
@@ -700,6 +768,22 @@ def create_app(model: GPT | None = None, config: EngineConfig = EngineConfig(), 
 
     app = FastAPI(title="tiny-gpt OpenAI-compatible server", lifespan=lifespan)
     app.state.engine = engine
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's error shape."""
+        if err.status_code == 404:
+            message, code = f"no route {request.method} {request.url.path} on this server", "not_found"
+        elif err.status_code == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(err.detail), None
+        return _error(err.status_code, message, code=code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception):
+        """A bug: still an answer in the API's shape (Starlette logs the traceback after sending it)."""
+        return _error(500, f"internal error: {type(err).__name__}", kind="server_error")
 
     @app.get("/health")
     def health():
@@ -724,9 +808,20 @@ def create_app(model: GPT | None = None, config: EngineConfig = EngineConfig(), 
 
     async def handle(request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raw = await read_body(request, max_body)
+        except BodyTooLarge:
+            return _error(413, f"the request body is larger than {max_body} bytes", code="request_too_large",
+                          headers={"Connection": "close"})
+        except ClientDisconnect:
+            return Response(status_code=499)                              # nobody reads it: the client is gone
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            return _error(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+        except ValueError as err:                  # JSONDecodeError, UnicodeDecodeError, a 4300-digit integer
             return _error(400, f"the request body is not valid JSON: {err}")
+        if json_depth(body) > MAX_DEPTH:
+            return _error(400, f"the request body nests deeper than {MAX_DEPTH} levels")
         try:
             req = parse_request(body, chat, context)
             h = Handle(req, asyncio.get_running_loop())
@@ -734,10 +829,11 @@ def create_app(model: GPT | None = None, config: EngineConfig = EngineConfig(), 
         except BadRequest as err:
             return _error(err.status, str(err), err.param, err.kind, err.code)
         except ServerBusy as err:
-            return _error(503 if engine.closing else 429, str(err), kind="server_busy" if not engine.closing
-                          else "server_error")
-        except ValueError as err:                                        # the engine's own checks
-            return _error(400, str(err), "prompt" if "prompt" in str(err) else None)
+            if engine.closing:
+                return _error(503, str(err), kind="server_error")
+            return _error(429, str(err), kind="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+        except RequestInvalid as err:                                    # the engine's own checks
+            return _error(400, str(err), request_field(err.param, chat, body), code=err.code)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
@@ -772,13 +868,15 @@ def main(argv=None) -> None:
     ap.add_argument("--prefix-cache", action="store_true")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request is aborted")
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open requests get at shutdown")
+    ap.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body in bytes (413 above)")
     ap.add_argument("--seed", type=int, default=0, help="draws the seeds of requests that bring none")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the tiny model is latency bound)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = EngineConfig(num_pages=args.num_pages, page_size=args.page_size, max_tokens=args.max_tokens_per_step,
                           max_seqs=args.max_seqs, chunk=args.chunk, prefix_cache=args.prefix_cache, seed=args.seed)
-    app = create_app(config=config, max_queue=args.max_queue, request_timeout=args.request_timeout)
+    app = create_app(config=config, max_queue=args.max_queue, request_timeout=args.request_timeout,
+                     max_body=args.max_body)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=args.drain_timeout)
 
