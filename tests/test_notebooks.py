@@ -1,6 +1,7 @@
 """The notebook rules: every book notebook is in the table of contents, carries its chapter ID,
 was executed top to bottom, and holds no error output. (nbval then re-executes each one.)"""
 import json
+import os
 import re
 from pathlib import Path
 
@@ -155,6 +156,31 @@ def test_second_cpu_configuration_catches_a_machine_dependent_output(tmp_path):
     nbformat.write(nb, path)
     assert run_nbval(path).returncode == 0
     assert run_nbval(path, second_config=True).returncode != 0
+
+
+def test_the_second_pass_of_make_test_catches_a_machine_dependent_output(tmp_path):
+    """conftest.py's second pass (nbval's collector again, its kernel started under the second CPU
+    configuration, in the same pytest process) fails a stored output that depends on the thread count,
+    and passes the same notebook's first-configuration cells."""
+    import subprocess
+    import sys
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import torch\nprint(torch.get_num_threads())", execution_count=1,
+                                          outputs=[nbformat.v4.new_output("stream", name="stdout", text="1\n")])]
+    nbformat.write(nb, tmp_path / "threads.ipynb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COURSE_", "PYTEST_"))}
+    env.update(OMP_NUM_THREADS="1", COURSE_SECOND_PASS_UNDER=str(tmp_path), COURSE_AOT_LOG=str(tmp_path / "log"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
+         "-rA", "--nbval", "--nbval-current-env", str(tmp_path / "threads.ipynb")],
+        capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert re.search(r"PASSED \S*threads\.ipynb::Cell 0", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"FAILED \S*threads\.ipynb::second CPU configuration::Cell 0", proc.stdout), proc.stdout[-3000:]
 
 
 def test_references_bib_parses_as_the_book_build_reads_it():
