@@ -42,15 +42,21 @@ def book_notebooks(root: Path = ROOT) -> list[Path]:
     return sorted(p for p in (root / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 
 
-def run_nbval(path: Path, *, second_config: bool = False) -> subprocess.CompletedProcess:
+def run_nbval(path: Path, *, second_config: bool = False, both: bool = False) -> subprocess.CompletedProcess:
     """nbval on one notebook in a fresh process, strictly against its stored outputs, on one thread
-    as ``make test`` runs it, or under :data:`SECOND_CPU_CONFIG` with ``second_config=True``."""
+    as ``make test`` runs it, or under :data:`SECOND_CPU_CONFIG` with ``second_config=True``, or in
+    both configurations one after the other in the same process with ``both=True`` (the course's
+    ``conftest.py`` as a plugin, its second pass pointed at the notebook's folder)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    plugin = []
     if second_config:
         env.update(SECOND_CPU_CONFIG)
         env[CPU_CONFIG_VAR] = "second"
+    elif both:
+        env["COURSE_SECOND_PASS_UNDER"] = str(Path(path).resolve().parent)
+        plugin = ["-p", "conftest"]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
+        [sys.executable, "-m", "pytest", "-q", *plugin, "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
          "--nbval", "--nbval-current-env", "--nbval-sanitize-with", str(ROOT / "nbval_sanitize.cfg"), str(path)],
         capture_output=True, text=True, cwd=ROOT, env=env,
     )
