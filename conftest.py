@@ -25,7 +25,7 @@ from nbval.plugin import IPyNbFile
 
 import kernels  # noqa: F401  (switches Triton's interpreter on before any test imports triton)
 from kernels import aot_cache
-from tools.notebooks import CPU_CONFIG_VAR, SECOND_CPU_CONFIG
+from tools.notebooks import CPU_CONFIG_VAR, SECOND_CPU_CONFIG, environment
 
 # Property tests draw the same examples on every machine (derandomize), keep no example database
 # in the checkout, and have no per-example deadline (the interpreter's speed varies by CPU).
@@ -50,17 +50,8 @@ class SecondConfigNotebook(IPyNbFile):
     """A book notebook under nbval again, strictly, with its kernel started under SECOND_CPU_CONFIG."""
 
     def setup(self):
-        env = dict(SECOND_CPU_CONFIG, **{CPU_CONFIG_VAR: "second"})
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)               # the kernel process inherits the environment at its start
-        try:
-            super().setup()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with environment(dict(SECOND_CPU_CONFIG, **{CPU_CONFIG_VAR: "second"})):
+            super().setup()                  # the kernel process inherits the environment at its start
 
 
 def pytest_collect_file(file_path, parent):

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -62,23 +63,29 @@ def run_nbval(path: Path, *, second_config: bool = False, both: bool = False) ->
     )
 
 
-def execute(path: Path, *, kernel_name: str = "python3") -> float:
-    """Run ``path`` top to bottom and write its outputs back; returns the seconds it took."""
-    nb = nbformat.read(path, as_version=4)
-    env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    start = time.perf_counter()
+@contextmanager
+def environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set for the duration (a kernel started inside inherits them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name=kernel_name,
-                                resources={"metadata": {"path": str(path.parent)}})
-        client.execute()
+        yield
     finally:
-        for k, v in old.items():
+        for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def execute(path: Path, *, kernel_name: str = "python3") -> float:
+    """Run ``path`` top to bottom and write its outputs back; returns the seconds it took."""
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    with environment({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}):
+        client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name=kernel_name,
+                                resources={"metadata": {"path": str(path.parent)}})
+        client.execute()
     seconds = time.perf_counter() - start
     nbformat.write(nb, path)
     return seconds
