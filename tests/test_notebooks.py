@@ -191,3 +191,25 @@ def test_references_bib_parses_as_the_book_build_reads_it():
     text = (ROOT / "references.bib").read_text()
     entries = parse_file(str(ROOT / "references.bib")).entries
     assert len(entries) == len(re.findall(r"^@\w+\{", text, re.M))
+
+
+TEST_PATH = re.compile(r"\btests/[\w/.-]+?\.py\b")
+
+
+def missing_test_files(nb: dict, relpath: str) -> list[str]:
+    """A chapter that says where it is checked ("Checked here and in `tests/test_x.py`") names a file
+    that must exist: every tests/....py path in a cell's source."""
+    named = {m for c in nb["cells"] for m in TEST_PATH.findall("".join(c["source"]))}
+    return [f"{relpath}: names {p}, which does not exist" for p in sorted(named) if not (ROOT / p).is_file()]
+
+
+def test_every_test_file_a_notebook_names_exists():
+    problems = [p for path in NOTEBOOKS for p in missing_test_files(json.loads(path.read_text()), rel(path))]
+    assert not problems, "\n".join(problems)
+
+
+def test_missing_test_file_rule_can_fail():
+    md = lambda s: {"cells": [{"cell_type": "markdown", "source": s}]}  # noqa: E731
+    assert missing_test_files(md("Checked in `tests/test_notebooks.py` and tests/test_pipeline.py."), "a") == []
+    problems = missing_test_files(md("Checked here and in `tests/test_never_written.py::test_x`."), "a")
+    assert problems == ["a: names tests/test_never_written.py, which does not exist"]

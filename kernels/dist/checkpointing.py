@@ -15,13 +15,16 @@ t tensor-parallel ranks:
     tensor parallel + selective recompute s b h (10 + 24/t)
     tensor + sequence + selective         s b h (34/t)
     full recompute                        s b h (2)            (the layer's input only)
+    full recompute, tensor + sequence     s b h (2/t)          (the input is the rank's s/t shard)
 
 34 = LayerNorm inputs 4 + QKV input 2 + Q, K 4 + V 2 + projection input 2 + dropout mask 1 + MLP
 input 2 + GELU input 8 + fc2 input 8 + dropout mask 1; 5 a s / h = softmax output 2 + its dropout
 mask 1 + dropout output 2 (per score, a s^2 b scores). Selective recomputation keeps everything but
-those scores and recomputes softmax(Q K^T) V in the backward. The paper leaves out small buffers;
-on this layer they are LayerNorm's mean and 1/std, 2 values per token per LayerNorm
-(:func:`paper_layer_extra_bytes`). :class:`PaperLayer` is that layer in PyTorch (dropout through
+those scores and recomputes softmax(Q K^T) V in the backward. Full recomputation keeps the layer's
+input: under tensor parallelism alone it is replicated on every rank (2 s b h, the table's row);
+under sequence parallelism each rank holds, and checkpoints, its s/t tokens of it (2 s b h / t).
+The paper leaves out small buffers; on this layer they are LayerNorm's mean and 1/std, 2 values
+per token per LayerNorm (:func:`paper_layer_extra_bytes`). :class:`PaperLayer` is that layer in PyTorch (dropout through
 ``torch.native_dropout``, whose mask is bool, as on a GPU; ``F.dropout`` on a CPU multiplies by a
 mask of the input's dtype instead); the chapter checks the table against it byte for byte, one
 rank of a tensor-parallel layer emulated in one process (each collective replaced by a stand-in
@@ -75,14 +78,15 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = 
                       recompute: str = "none") -> float:
     """Activation bytes of one GPT-3 layer on one rank (Korthikanti et al. 2022, Table 2): 2-byte
     activations, 1-byte dropout masks, ``t`` tensor-parallel ranks, ``sp`` sequence parallelism,
-    ``recompute`` "none", "selective" (the attention scores) or "full" (only the layer's input)."""
+    ``recompute`` "none", "selective" (the attention scores) or "full" (only the layer's input: 2 s b h,
+    or 2 s b h / t under sequence parallelism, where the input a rank holds is its sequence shard)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"korthikanti_bytes: recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if not (isinstance(t, int) and t >= 1):
         raise ValueError(f"korthikanti_bytes: t must be a positive int, got {t!r}")
     sbh = s * b * h
     if recompute == "full":
-        return 2 * sbh
+        return 2 * sbh / t if sp else 2 * sbh
     scores = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
     split = 34 / t if sp else 10 + 24 / t
     return sbh * (split + scores)

@@ -16,7 +16,8 @@ Bubble (idle) fraction of the step, T_F, T_B, T_W the op times of a whole stage:
 * interleaved 1F1B with v chunks per rank: the ramp is made of chunk ops of cost 1/v:
   fraction (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2.2);
 * ZB-H1 (B split into B and W, in flight at most p micro-batches on any stage, 1F1B's peak):
-  idle (p - 1)(T_F + T_B - T_W) per stage (Qi et al. 2023, section 2.1).
+  idle (p - 1)(T_F + T_B - T_W) per stage (Qi et al. 2023, section 2.1), for T_W <= min(T_F, T_B)
+  only (:func:`bubble_zb_h1` raises outside it).
 
 :func:`simulate` executes the per-stage lists in order, each op starting when its stage is free and
 its inputs exist, and reports start/end times, the bubble fraction and the peak number of
@@ -231,7 +232,17 @@ def bubble_interleaved(p: int, m: int, v: int) -> float:
 
 
 def bubble_zb_h1(p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
-    """(p - 1)(T_F + T_B - T_W) idle per stage over a step of m (T_F + T_B + T_W) plus that idle."""
+    """(p - 1)(T_F + T_B - T_W) idle per stage over a step of m (T_F + T_B + T_W) plus that idle.
+
+    Exact only for T_W <= min(T_F, T_B) (Qi et al. 2023, section 2.1): a postponed W then fits in the
+    gap it fills. With a longer W the gaps no longer absorb it (the formula undershoots the simulated
+    bubble, and for T_W > T_F + T_B turns negative), so such op times raise."""
+    _check_pm(p, m, "bubble_zb_h1")
+    if not (t_f > 0 and t_b > 0 and t_w >= 0):
+        raise ValueError(f"bubble_zb_h1: need t_f > 0, t_b > 0, t_w >= 0, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
+    if t_w > min(t_f, t_b):
+        raise ValueError(f"bubble_zb_h1: the formula holds for t_w <= min(t_f, t_b) only, got t_f={t_f}, "
+                         f"t_b={t_b}, t_w={t_w}; simulate(zb_h1(p, m), t_f, t_b, t_w) gives the bubble outside it")
     idle = (p - 1) * (t_f + t_b - t_w)
     return idle / (m * (t_f + t_b + t_w) + idle)
 
