@@ -205,9 +205,9 @@ def step_gemm(ctx: Ctx) -> None:
                      "persistent": lambda: persistent.matmul_persistent(a, b)}
             if n == sizes[0]:
                 impls["naive"] = lambda: ladder.matmul_naive(a, b)
-            if dtype == torch.float16:
-                impls["tiled"] = (lambda: tiled(a, b, block_m=128, block_n=128, block_k=64)) if ctx.real else \
-                    (lambda: tiled(a, b))
+            if dtype == torch.float16:                                  # the tiled step has no bf16
+                bm, bn, bk = _sz(ctx, (128, 128, 64), (32, 32, 32))
+                impls["tiled"] = lambda: tiled(a, b, block_m=bm, block_n=bn, block_k=bk)
             case = f"{n}^3 {str(dtype)[6:]}"
             for impl, fn in impls.items():
                 base = impl.startswith("torch")
@@ -298,16 +298,14 @@ def step_flash_backward(ctx: Ctx) -> None:
                     "sdpa cudnn": _sdpa("CUDNN_ATTENTION", ctx, q, k, v, causal),
                     "flash_attention (FA2)": lambda: flash_attention(q, k, v, causal)}
             if n == _sz(ctx, 4096, 64):
-                leaves = [t[:1].detach().float().requires_grad_() for t in (q, k, v)]
-                o_ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-                ref = torch.autograd.grad(o_ref, leaves, do[:1].float())
                 q1, k1, v1 = (t[:1].detach().requires_grad_() for t in (q, k, v))
-                got = lambda: torch.cat([g.flatten() for g in torch.autograd.grad(   # noqa: E731
-                    flash_attention(q1, k1, v1, causal), (q1, k1, v1), do[:1])])
-                base = lambda: torch.cat([g.flatten() for g in torch.autograd.grad(   # noqa: E731
-                    _sdpa("FLASH_ATTENTION", ctx, q1, k1, v1, causal)(), (q1, k1, v1), do[:1])])
-                ctx.close("flash_attention (FA2) backward", case, got,
-                          lambda: torch.cat([g.flatten() for g in ref]), baseline=base, dtype=torch.bfloat16)
+                do1 = do[:1]
+                grads = lambda o: _flat(torch.autograd.grad(o, (q1, k1, v1), do1))          # noqa: E731
+                ctx.close("flash_attention (FA2) backward", case, lambda: grads(flash_attention(q1, k1, v1, causal)),
+                          lambda: _flat(_fp32_grads(lambda *t: (torch.nn.functional.scaled_dot_product_attention(
+                              *t, is_causal=causal) * do1.float()).sum(), q1, k1, v1)),
+                          baseline=lambda: grads(_sdpa("FLASH_ATTENTION", ctx, q1, k1, v1, causal)()),
+                          dtype=torch.bfloat16)
             flops = 10.0 * b * h * n * n * d * (0.5 if causal else 1.0)      # 5 GEMMs of the backward
             for impl, fwd in fwds.items():
                 try:
@@ -413,7 +411,7 @@ def step_rows(ctx: Ctx) -> None:
                   lambda: rope_ref(rq, rk, cos, sin), lambda: rope_ref(rq.float(), rk.float(), cos, sin),
                   2.0 * (rq.numel() + rk.numel()) * 2))
     for name, size, ours, eager, ref, nbytes in cases:
-        flat = lambda fn: (lambda: torch.cat([o.flatten().float() for o in _tuple(fn())]))   # noqa: E731
+        flat = lambda fn: (lambda: _flat(_tuple(fn())))                                  # noqa: E731
         ctx.close(name, size, flat(ours), flat(ref), baseline=flat(eager), dtype=torch.bfloat16)
         ctx.row(size, f"eager {name}", eager, bytes_moved=nbytes, baseline=True, kernel=name)
         ctx.row(size, name, ours, bytes_moved=nbytes, kernel=name)
@@ -446,11 +444,26 @@ def step_cross_entropy(ctx: Ctx) -> None:
     ref = lambda: F.cross_entropy(F.linear(hidden.float(), weight.float()), target)      # noqa: E731
     ctx.close("fused_linear_cross_entropy (loss)", size, lambda: fused_linear_cross_entropy(hidden, weight, target).float(),
               ref, baseline=lambda: F.cross_entropy(F.linear(hidden, weight), target).float(), dtype=torch.bfloat16)
+    ctx.close("fused_linear_cross_entropy (gradients)", size, lambda: _flat(ours()),
+              lambda: _flat(_fp32_grads(lambda h, w: F.cross_entropy(F.linear(h, w), target), hidden, weight)),
+              baseline=lambda: _flat(eager()),
+              dtype=torch.bfloat16)
     flops = 3 * 2.0 * n * c * vocab                                        # logits, dL/dhidden, dL/dweight
     nbytes = 2.0 * (n * c + vocab * c) * 2                                 # read hidden, weight; write their grads
     for impl, fn, base in (("eager linear + cross_entropy", eager, True), ("fused_linear_cross_entropy", ours, False)):
         peak = ctx.peak_memory(fn)
         ctx.row(size, impl, fn, flops=flops, bytes_moved=nbytes, baseline=base, peak_bytes=peak)
+
+
+def _flat(tensors) -> torch.Tensor:
+    """Several results as one flat fp32 tensor, to check them in one comparison."""
+    return torch.cat([t.flatten().float() for t in tensors])
+
+
+def _fp32_grads(loss_fn, *leaves):
+    """The gradients of ``loss_fn`` computed in fp32 from fp32 copies of ``leaves`` (the reference)."""
+    wide = [t.detach().float().requires_grad_() for t in leaves]
+    return torch.autograd.grad(loss_fn(*wide), wide)
 
 
 def step_quant_gemv(ctx: Ctx) -> None:
@@ -543,7 +556,7 @@ def step_adamw(ctx: Ctx) -> None:
     ours = lambda: fused_adamw_(weight, grad, master, m, v, step=10, **hp)           # noqa: E731
     p = torch.nn.Parameter(master.clone())
     p.grad = grad.float()
-    opt = torch.optim.AdamW([p], fused=ctx.real, foreach=False if not ctx.real else None, **hp)
+    opt = torch.optim.AdamW([p], **({"fused": True} if ctx.real else {"foreach": False}), **hp)   # fused: CUDA only
     w2 = weight.clone()
 
     def torch_step():
