@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -857,13 +856,33 @@ def run_steps(ctx: Ctx, steps=STEPS) -> dict[str, dict]:
     return groups
 
 
+SYSTEM_CUDA_BIN = Path("/usr/local/cuda/bin")
+
+
+def use_system_nvcc() -> None:
+    """Put the system CUDA toolkit's bin/ on PATH when no nvcc is found otherwise, so the CUDA C++ kernels
+    (``kernels.inspect.tool``: the pip copy first, then PATH) build with it on a machine without the pip one."""
+    from kernels import inspect as ki
+
+    try:
+        ki.tool("nvcc")
+    except ki.ToolMissingError:
+        if (SYSTEM_CUDA_BIN / "nvcc").is_file():
+            os.environ["PATH"] = f"{SYSTEM_CUDA_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def versions() -> dict:
     """Device, driver, torch, triton, CUDA and nvcc versions (``kernels.bench.provenance`` plus nvcc)."""
+    from kernels import inspect as ki
+
     info = bench.provenance(bench.command_line())
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    try:
+        nvcc = ki.tool("nvcc")
+    except ki.ToolMissingError:
+        nvcc = None
     if nvcc:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-        info["nvcc"] = out[-1] if out else "unknown"
+        info["nvcc"] = f"{out[-1] if out else 'unknown'} ({nvcc})"
     else:
         info["nvcc"] = "absent"
     return info
@@ -943,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
               "this run measures kernels on a GPU and refuses to time the interpreter. "
               "`make gpu-plan` shows what it would run; `--rehearse` runs it at toy sizes on the CPU.", file=sys.stderr)
         return 2
+    use_system_nvcc()
     info = versions()
     for key in ("device", "capability", "driver", "torch", "triton", "cuda", "nvcc", "python", "date"):
         print(f"{key:10s} {info.get(key, '-')}")
