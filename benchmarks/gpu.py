@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -667,16 +668,25 @@ def step_cuda_graphs(ctx: Ctx) -> None:
 # ---------------------------------------------------------------------------------------------------
 # The native test pass.
 
+GPU_ONLY_MARKS = ("mark.gpu", "on_gpu", "cuda.is_available")
+# Test files with nothing for a GPU to check: the tooling (environment pins, notebooks, labs, the site, the
+# compiler page's ~200 CPU compiles), the server soak, and this run's own CPU rehearsal.
+NOT_NATIVE = {"test_environment.py", "test_notebooks.py", "test_labs.py", "test_site.py", "test_compiler_page.py",
+              "test_server_soak.py", "test_gpu_rehearsal.py"}
+
+
 def test_files() -> list[Path]:
-    """The test files the native pass runs: every ``tests/test_*.py`` except this run's own rehearsal."""
-    return sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_gpu_rehearsal.py")
+    """The test files the native pass runs: ``tests/test_*.py`` but :data:`NOT_NATIVE`, those with GPU-only
+    tests first (nothing else ever runs them), so the time cap cuts the others first."""
+    files = sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name not in NOT_NATIVE)
+    return sorted(files, key=lambda p: not any(m in p.read_text() for m in GPU_ONLY_MARKS))
 
 
 def pytest_command(path: Path, junit: Path) -> list[str]:
     """pytest on one file with the GPU-only tests enabled (they run wherever a GPU is), notebooks and
     the book build left out; the course's addopts (nbval) are replaced."""
-    return [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-            "-m", "not slow", f"--junitxml={junit}"]
+    return [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", "-p", "no:nbval", "-p",
+            "no:xdist", "-o", "addopts=", "-m", "not slow", f"--junitxml={junit}"]
 
 
 def junit_results(path: Path) -> dict:
@@ -687,7 +697,8 @@ def junit_results(path: Path) -> dict:
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
             out["failed"] += 1
-            out["failures"].append({"test": case.get("name"), "error": (bad.get("message") or "")[:1500]})
+            text = "\n".join(t for t in (bad.get("message"), bad.text) if t)       # collection errors: in the text
+            out["failures"].append({"test": case.get("name"), "error": text[:1500]})
         elif case.find("skipped") is not None:
             out["skipped"] += 1
         else:
@@ -696,8 +707,9 @@ def junit_results(path: Path) -> dict:
 
 
 def run_tests(ctx: Ctx, files: list[Path] | None = None, *, cap_s: float = TESTS_CAP_S,
-              workers: int = TEST_WORKERS, tmp: Path | None = None) -> None:
-    """Each test file in its own pytest process, ``workers`` at a time, until ``cap_s``: one check per file."""
+              workers: int = TEST_WORKERS, tmp: Path | None = None, root: Path = ROOT) -> None:
+    """Each test file in its own pytest process started in ``root``, ``workers`` at a time, until ``cap_s``:
+    one check per file."""
     import tempfile
 
     files = test_files() if files is None else files
@@ -718,13 +730,16 @@ def run_tests(ctx: Ctx, files: list[Path] | None = None, *, cap_s: float = TESTS
             return {**entry, "ok": False, "error": f"not run: the {cap_s:.0f} s cap of the test pass was reached"}
         junit = tmp / f"{path.stem}.xml"
         try:
-            proc = subprocess.run(pytest_command(path, junit), cwd=ROOT, env=env, capture_output=True, text=True,
+            proc = subprocess.run(pytest_command(path, junit), cwd=root, env=env, capture_output=True, text=True,
                                   timeout=left)
         except subprocess.TimeoutExpired:
             return {**entry, "ok": False, "error": f"not finished: cut off at the {cap_s:.0f} s cap"}
         if not junit.is_file():
             return {**entry, "ok": False, "error": f"pytest exited {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
         res = junit_results(junit)
+        missing = {m for f in res["failures"] for m in re.findall(r"No module named '([\w.]+)'", f["error"])}
+        if missing and all("No module named" in f["error"] for f in res["failures"]):
+            return {**entry, "ok": False, "error": f"not run: needs {', '.join(sorted(missing))} (not installed here)"}
         ok = proc.returncode in (0, 5) and res["failed"] == 0            # 5: every test deselected
         return {**entry, "ok": ok, **res}
 
@@ -936,8 +951,8 @@ def summary(groups: dict) -> str:
     checks = [c for g in groups.values() for c in g["checks"]]
     failed = [c for c in checks if not c["ok"]]
     lines.append(f"checks: {len(checks) - len(failed)} of {len(checks)} passed")
-    lines += [f"  FAILED {c['kernel']} [{c['size']}]: {str(c.get('error', c.get('failures', '')))[:150]}"
-              for c in failed]
+    lines += [f"  {'NOT RUN' if str(c.get('error', '')).startswith('not ') else 'FAILED'} {c['kernel']} "
+              f"[{c['size']}]: {str(c.get('error', c.get('failures', '')))[:150]}" for c in failed]
     errors = [(n, e) for n, g in groups.items() for e in g["errors"]]
     lines += [f"  step {e['step']}: {e.get('skipped') or e.get('error', '')[:150]}" for _, e in errors]
     return "\n".join(lines)

@@ -76,5 +76,24 @@ def test_junit_report_gives_per_test_errors(tmp_path):
 
 def test_the_native_pass_enables_gpu_tests_and_leaves_notebooks_out(tmp_path):
     cmd = gpu.pytest_command(gpu.test_files()[0], tmp_path / "r.xml")
-    assert "addopts=" in cmd and "not slow" in cmd and not any("nbval" in c for c in cmd)
-    assert "test_gpu_rehearsal.py" not in {p.name for p in gpu.test_files()}
+    assert "addopts=" in cmd and "not slow" in cmd and "no:nbval" in cmd and "--nbval" not in cmd
+    names = [p.name for p in gpu.test_files()]
+    assert "test_gpu_rehearsal.py" not in names and "test_notebooks.py" not in names
+    assert names.index("test_wgmma.py") < names.index("test_adamw.py")          # GPU-only tests first
+
+
+def test_the_native_pass_reports_pass_fail_and_missing_modules_per_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")          # three bare pytest processes, not the course's
+    files = {"test_ok.py": "import pytest\ndef test_a():\n    assert 1\n@pytest.mark.skip(reason='x')\ndef test_b():\n    pass\n",
+             "test_bad.py": "def test_c():\n    assert 1 == 2, 'broken kernel'\n",
+             "test_missing.py": "import no_such_module_here\ndef test_d():\n    pass\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    ctx = gpu.Ctx(real=False, device=runtime.device())
+    junit = tmp_path / "junit"
+    junit.mkdir()
+    gpu.run_tests(ctx, [tmp_path / n for n in files], cap_s=120, workers=3, tmp=junit, root=tmp_path)
+    got = {c["kernel"]: c for c in ctx.checks}
+    assert got["tests/test_ok.py"]["ok"] and (got["tests/test_ok.py"]["passed"], got["tests/test_ok.py"]["skipped"]) == (1, 1)
+    assert not got["tests/test_bad.py"]["ok"] and "broken kernel" in got["tests/test_bad.py"]["failures"][0]["error"]
+    assert got["tests/test_missing.py"]["error"] == "not run: needs no_such_module_here (not installed here)"
