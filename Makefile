@@ -57,16 +57,18 @@ gpu-plan:
 # The versions a lent GPU machine has (torch 2.11, triton 3.6), on the CPU: a side environment in
 # .venv-compat with the course's requirements but those two pins, running the tests under the
 # interpreter. Not part of `make test`. The nvidia-* pins (the CUDA 13.2 compile tools) are left to
-# torch 2.11, which pins its own CUDA 13.0 libraries. PyPI's torch 2.11 for Linux x86_64 is its CUDA build: the
+# torch 2.11, which pins its own CUDA 13.0 libraries; numpy stays below 2.4, where Triton 3.6's
+# interpreter still runs (it converts one-element arrays to scalars, an error from numpy 2.4 on; the
+# GPU run never uses the interpreter). PyPI's torch 2.11 for Linux x86_64 is its CUDA build: the
 # first run downloads about 4 GB (torch and its nvidia-* libraries, triton 3.6 is 188 MB) and installs
 # about 7 GB. COMPAT_TESTS picks the test files (default: all of tests/).
 COMPAT       := .venv-compat
 COMPAT_TESTS ?= tests
 compat:
 	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
-	grep -v -E '^(torch|triton|nvidia-[a-z-]+)==' requirements.txt > $(COMPAT)/requirements.txt
-	grep -v -E '^(torch|triton|nvidia-[a-z-]+)==' requirements-lock.txt > $(COMPAT)/constraints.txt
-	$(COMPAT)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 -r $(COMPAT)/requirements.txt -c $(COMPAT)/constraints.txt
+	grep -v -E '^(torch|triton|numpy|nvidia-[a-z-]+)==' requirements.txt > $(COMPAT)/requirements.txt
+	grep -v -E '^(torch|triton|numpy|nvidia-[a-z-]+)==' requirements-lock.txt > $(COMPAT)/constraints.txt
+	$(COMPAT)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 "numpy<2.4" -r $(COMPAT)/requirements.txt -c $(COMPAT)/constraints.txt
 	$(COMPAT)/bin/python -c "import torch, triton; print('compat: torch', torch.__version__, 'triton', triton.__version__)"
 	$(COMPAT)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" -p no:cacheprovider $(COMPAT_TESTS)
 
