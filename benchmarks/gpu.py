@@ -221,7 +221,7 @@ def step_fp8_gemm(ctx: Ctx) -> None:
     """The FP8 GEMM (per-tensor scales, bf16 out) against torch._scaled_mm at 4096^3 and 8192^3."""
     from kernels.quant import fp8
 
-    for n in _sz(ctx, (4096, 8192), (64,)):
+    for n in _sz(ctx, (4096, 8192), (64, 96)):
         (aq, sa), (bq, sb) = fp8.quantize_current(ctx.randn(n, n, dtype=torch.float32)), \
             fp8.quantize_current(ctx.randn(n, n, dtype=torch.float32))
         bq_t = bq.t().contiguous().t()                                     # cuBLAS's FP8 wants B column-major
@@ -261,7 +261,7 @@ def step_flash_forward(ctx: Ctx) -> None:
     from kernels.attention.flash3 import flash_attention_3
 
     h, d = _sz(ctx, 32, 2), _sz(ctx, 128, 64)
-    for n in _sz(ctx, (4096, 16384), (64,)):
+    for n in _sz(ctx, (4096, 16384), (64, 96)):
         b = _sz(ctx, 16384 // n, 1)
         q, k, v = _attn_inputs(ctx, b, h, n, d)
         for causal in (False, True):
@@ -288,7 +288,7 @@ def step_flash_backward(ctx: Ctx) -> None:
     from kernels.attention import flash_attention
 
     h, d = _sz(ctx, 32, 2), _sz(ctx, 128, 64)
-    for n in _sz(ctx, (4096, 16384), (64,)):
+    for n in _sz(ctx, (4096, 16384), (64, 96)):
         b = _sz(ctx, 16384 // n, 1)
         q, k, v = _attn_inputs(ctx, b, h, n, d, grad=True)
         do = ctx.randn(b, h, n, d)
@@ -474,7 +474,7 @@ def step_quant_gemv(ctx: Ctx) -> None:
     from kernels.quant.w8a8 import w8a8_matmul, w8a8_matmul_ref
 
     shapes = _sz(ctx, (("Llama-3-8B gate/up", 14336, 4096), ("Llama-3-70B gate/up", 28672, 8192)),
-                 (("toy", 40, 256),))
+                 (("toy", 40, 256), ("toy wide", 24, 512)))
     for label, n, k in shapes:
         size = f"{label} decode M1 N{n} K{k}"
         x, w = ctx.randn(1, k, dtype=torch.float16), ctx.randn(n, k, dtype=torch.float32, scale=0.05)
@@ -520,7 +520,7 @@ def step_moe(ctx: Ctx) -> None:
     from kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_ref
 
     configs = _sz(ctx, (("Mixtral gate+up top-2", 8, 4096, 28672, 2), ("DeepSeek-V3 down top-8", 256, 2048, 7168, 8)),
-                  (("toy", 4, 32, 48, 2),))
+                  (("toy", 4, 32, 48, 2), ("toy many experts", 6, 16, 40, 3)))
     tokens = _sz(ctx, 4096, 9)
     for label, e, k, n, top in configs:
         offsets = _routing(ctx, tokens, e, top)
@@ -780,7 +780,7 @@ class Step:
 
 STEPS = (
     Step("ceilings", "ceilings", "D2D copy 1 GiB; cuBLAS bf16 8192^3", 0, 2, step_ceilings, 2.0),
-    Step("gemm", "gemm", "ladder + cuBLAS, 4096^3 and 8192^3, fp16/bf16", 8, 19, step_gemm, 8.0),
+    Step("gemm", "gemm", "ladder + cuBLAS, 4096^3 and 8192^3, fp16/bf16", 8, 16, step_gemm, 8.0),
     Step("fp8 gemm", "gemm", "fp8_matmul vs torch._scaled_mm, 4096^3 and 8192^3", 2, 4, step_fp8_gemm, 3.0, (8, 9)),
     Step("flash forward", "attention", "B*N=16k, H32 D128, N 4k/16k, causal/full: FA2, FA3, SDPA flash/cuDNN", 8, 16,
          step_flash_forward, 6.0, (8, 0)),
