@@ -933,21 +933,29 @@ def _compute_bound(row: dict, ceilings: dict) -> bool:
     return row["flops"] / row["bytes"] > ridge
 
 
+def _cell(row: dict, ceilings: dict) -> str:
+    """One row as ``impl median ms (p20-p80 spread) ratio-to-library fraction-of-ceiling``."""
+    if "ms" not in row:
+        return f"{row['impl']} ERROR"
+    ceil = row.get("of_cublas_peak") if _compute_bound(row, ceilings) else row.get("of_copy_bw")
+    return (f"{row['impl']} {row['ms']:.3g} ms ±{(row['ms_p80'] - row['ms_p20']) / 2:.1g}"
+            + (f" {row['vs_baseline']:.2f}x" if "vs_baseline" in row else "")
+            + (f" {ceil:.0%}" if ceil is not None else ""))
+
+
 def summary(groups: dict) -> str:
-    """One line per compared row: case, kernel, median and spread, ratio to the baseline, ceiling fraction;
-    then the failed checks with their first line."""
+    """One screen: a line per case (its rows: median and half the p20-p80 spread, the ratio to the library
+    baseline, the first row of a case being the baseline, and the fraction of the measured ceiling the row
+    is bound by), then the checks that failed or did not run, and the steps that errored or were skipped."""
     ceilings = next((g.get("ceilings") or {} for g in groups.values()), {})
-    lines = [f"{'group':11s} {'case':36s} {'impl':34s} {'ms':>9s} {'p20-p80':>15s} {'vs lib':>7s} {'of ceil':>7s}"]
+    lines = ["group       case                                 rows: impl median ±spread, x library speed, % of ceiling"]
     for name, g in groups.items():
+        cases: dict[str, list] = {}
         for r in g["rows"]:
-            if "ms" not in r:
-                lines.append(f"{name:11s} {str(r['case'])[:36]:36s} {r['impl'][:34]:34s} ERROR {r.get('error', '')[:60]}")
-                continue
-            ceil = r.get("of_cublas_peak") if _compute_bound(r, ceilings) else r.get("of_copy_bw")
-            lines.append(f"{name:11s} {str(r['case'])[:36]:36s} {r['impl'][:34]:34s} {r['ms']:9.4f} "
-                         f"{r['ms_p20']:7.4f}-{r['ms_p80']:<7.4f} "
-                         f"{'' if 'vs_baseline' not in r else format(r['vs_baseline'], '.2f'):>7s} "
-                         f"{'' if ceil is None else format(ceil, '.0%'):>7s}")
+            cases.setdefault(str(r["case"]), []).append(r)
+        for case, rows in cases.items():
+            rows = sorted(rows, key=lambda r: not r.get("baseline"))
+            lines.append(f"{name:11s} {case[:36]:36s} " + " | ".join(_cell(r, ceilings) for r in rows))
     checks = [c for g in groups.values() for c in g["checks"]]
     failed = [c for c in checks if not c["ok"]]
     lines.append(f"checks: {len(checks) - len(failed)} of {len(checks)} passed")
