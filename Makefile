@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: env book test execute lab model clean
+.PHONY: env book test execute lab model clean gpu gpu-plan compat
 
 env: $(STAMP)
 
@@ -39,6 +39,38 @@ model: $(STAMP)
 # JupyterLab on the labs, on loopback only (it refuses to start as root without --allow-root).
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=labs $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# One GPU run (benchmarks/gpu.py, README "On a GPU"): provenance, the native tests, each kernel at a real
+# size against its reference, then the ratios against cuBLAS/SDPA/eager and the measured ceilings.
+# `make gpu PY=python3` uses an interpreter that already has a CUDA PyTorch: no venv, no install, no
+# network. It refuses on a machine without a GPU. GPU_OUT is where the JSON results go.
+GPU_OUT ?= benchmarks/results/$(shell date -u +%Y-%m-%d)
+gpu:
+	@command -v $(PY) >/dev/null || { echo "make gpu: no interpreter $(PY); pass PY=python3 (one with a CUDA PyTorch)"; exit 2; }
+	$(PY) -m benchmarks.gpu --out $(GPU_OUT)
+
+# The steps of `make gpu` with their sizes and estimated compile and run times, against 8 minutes.
+gpu-plan:
+	@command -v $(PY) >/dev/null || { echo "make gpu-plan: no interpreter $(PY); pass PY=python3"; exit 2; }
+	$(PY) -m benchmarks.gpu --plan
+
+# The versions a lent GPU machine has (torch 2.11, triton 3.6), on the CPU: a side environment in
+# .venv-compat with the course's requirements but those two pins, running the tests under the
+# interpreter. Not part of `make test`. The nvidia-* pins (the CUDA 13.2 compile tools) are left to
+# torch 2.11, which pins its own CUDA 13.0 libraries; numpy stays below 2.4, where Triton 3.6's
+# interpreter still runs (it converts one-element arrays to scalars, an error from numpy 2.4 on; the
+# GPU run never uses the interpreter). PyPI's torch 2.11 for Linux x86_64 is its CUDA build: the
+# first run downloads about 4 GB (torch and its nvidia-* libraries, triton 3.6 is 188 MB) and installs
+# about 7 GB. COMPAT_TESTS picks the test files (default: all of tests/).
+COMPAT       := .venv-compat
+COMPAT_TESTS ?= tests
+compat:
+	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	grep -v -E '^(torch|triton|numpy|nvidia-[a-z-]+)==' requirements.txt > $(COMPAT)/requirements.txt
+	grep -v -E '^(torch|triton|numpy|nvidia-[a-z-]+)==' requirements-lock.txt > $(COMPAT)/constraints.txt
+	$(COMPAT)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 "numpy<2.4" -r $(COMPAT)/requirements.txt -c $(COMPAT)/constraints.txt
+	$(COMPAT)/bin/python -c "import torch, triton; print('compat: torch', torch.__version__, 'triton', triton.__version__)"
+	$(COMPAT)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" -p no:cacheprovider $(COMPAT_TESTS)
 
 clean:
 	rm -rf _build .pytest_cache

@@ -18,7 +18,9 @@ edge reads NaN, and the NaN shows up in the output.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -227,3 +229,16 @@ def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.d
         except Exception as err:
             raise MismatchError(f"{label} on case {i} (inputs {shapes}): {err}") from err
     return len(cases)
+
+
+def pinned_triton() -> bool:
+    """Whether the installed Triton is requirements.txt's. A compile fact a test asserts as a number (a
+    spill count, an instruction count) is that Triton's; under another version (``make compat``) a test
+    checks only the version-independent part of the claim. True where requirements.txt is absent."""
+    import triton
+
+    req = Path(__file__).resolve().parent.parent / "requirements.txt"
+    if not req.is_file():
+        return True
+    pin = re.search(r"^triton==(\S+)", req.read_text(), re.M)
+    return pin is None or pin.group(1) == triton.__version__

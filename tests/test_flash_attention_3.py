@@ -177,7 +177,9 @@ def test_in_kernel_rounding_is_round_to_nearest_even():
     x = torch.nn.functional.pad(x, (0, n - x.numel())).to(DEVICE)
     out = torch.empty_like(x)
     _round_probe[(1,)](x, out, N=n)
-    assert torch.equal(out.cpu(), x.cpu().to(torch.float8_e4m3fn).float())
+    # The kernel saturates at 448 (its docstring); PyTorch's own cast of an overflow changed between
+    # versions (NaN in 2.11, 448 in 2.13), so the reference saturates first and rounds with PyTorch.
+    assert torch.equal(out.cpu(), x.cpu().clamp(max=448.0).to(torch.float8_e4m3fn).float())
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal", CASES[:3])

@@ -11,7 +11,7 @@ from kernels.gemm import ladder as L
 from kernels.gemm import matmul as mm
 from kernels.gemm import persistent as P
 from kernels.gemm import splitk as SK
-from kernels.testing import MismatchError, assert_close, nan_canary
+from kernels.testing import MismatchError, assert_close, nan_canary, pinned_triton
 
 DEV = runtime.device()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -208,8 +208,9 @@ def test_aot_jobs_have_no_spills_and_use_the_tensor_cores(aot, arch):
         build = aot[label][arch]
         if "tiled 128x128x64, 4 warps" in label and arch == "sm80":
             # the start chapter's kernel at 128x128 with its 4 warps: a 128-register accumulator per
-            # thread plus the mma.sync fragments does not fit 255 on sm80 (shown in gemm-tiling)
-            assert build.spills > 0
+            # thread plus the mma.sync fragments does not fit 255 on sm80 (shown in gemm-tiling); a fact of
+            # the pinned Triton (Triton 3.6 fits it without spilling)
+            assert build.spills > 0 or not pinned_triton()
             continue
         assert build.spills == 0 and build.metadata["stack_bytes"] == 0, (label, arch, build.metadata["registers"])
         if "naive" in label:

@@ -11,7 +11,8 @@ An FP8 number is 1 sign bit, ``e`` exponent bits and ``m`` mantissa bits (Micike
 ``decode`` and ``encode`` work on the raw 8-bit codes with integer operations only, and match
 PyTorch's conversions code for code (``tests/test_fp8.py`` checks all 256 codes and the rounding
 of every midpoint): round to nearest, ties to even; E4M3 saturates out-of-range values (and
-infinities) to +-448 as PyTorch's CPU conversion does, E5M2 overflows to infinity. The scaled cast
+infinities) to +-448 as PyTorch's CPU conversion does since 2.13 (2.11 gives NaN), E5M2 overflows
+to infinity. The scaled cast
 :func:`quantize` clamps before it converts, so it never depends on those rules.
 """
 from __future__ import annotations
