@@ -21,11 +21,16 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
-from nbval.plugin import IPyNbFile
 
 import kernels  # noqa: F401  (switches Triton's interpreter on before any test imports triton)
 from kernels import aot_cache
-from tools.notebooks import CPU_CONFIG_VAR, SECOND_CPU_CONFIG, environment
+
+try:  # the notebook tooling: `make gpu` on a lent machine runs the kernel tests without it
+    from nbval.plugin import IPyNbFile
+
+    from tools.notebooks import CPU_CONFIG_VAR, SECOND_CPU_CONFIG, environment
+except ImportError:
+    IPyNbFile = None
 
 # Property tests draw the same examples on every machine (derandomize), keep no example database
 # in the checkout, and have no per-example deadline (the interpreter's speed varies by CPU).
@@ -46,17 +51,18 @@ _second_pass_seconds: dict[str, float] = defaultdict(float)
 _started = time.perf_counter()
 
 
-class SecondConfigNotebook(IPyNbFile):
-    """A book notebook under nbval again, strictly, with its kernel started under SECOND_CPU_CONFIG."""
+if IPyNbFile is not None:
+    class SecondConfigNotebook(IPyNbFile):
+        """A book notebook under nbval again, strictly, with its kernel started under SECOND_CPU_CONFIG."""
 
-    def setup(self):
-        with environment(dict(SECOND_CPU_CONFIG, **{CPU_CONFIG_VAR: "second"})):
-            super().setup()                  # the kernel process inherits the environment at its start
+        def setup(self):
+            with environment(dict(SECOND_CPU_CONFIG, **{CPU_CONFIG_VAR: "second"})):
+                super().setup()              # the kernel process inherits the environment at its start
 
 
 def pytest_collect_file(file_path, parent):
     """Book notebooks get the second pass (labs are run in both configurations by tests/test_labs.py)."""
-    if (file_path.suffix == ".ipynb" and parent.config.getoption("nbval", False)
+    if (IPyNbFile is not None and file_path.suffix == ".ipynb" and parent.config.getoption("nbval", False)
             and SECOND_PASS_UNDER in file_path.resolve().parents and not os.environ.get(CPU_CONFIG_VAR)):
         path = file_path.resolve()
         rel = path.relative_to(parent.config.rootpath).as_posix() if parent.config.rootpath in path.parents else str(path)
@@ -68,7 +74,7 @@ def pytest_collect_file(file_path, parent):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.failed and isinstance(item.parent, SecondConfigNotebook):
+    if report.failed and IPyNbFile is not None and isinstance(item.parent, SecondConfigNotebook):
         settings_text = " ".join(f"{k}={v}" for k, v in SECOND_CPU_CONFIG.items())
         report.sections.append((SECOND_PASS, f"{item.path.name} does not reproduce its stored outputs under "
                                 f"{settings_text}: a cell prints something that depends on the CPU (print the "

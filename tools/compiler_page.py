@@ -106,18 +106,26 @@ def read_facts(path: Path = FACTS) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def compile_facts(entries: list[ModuleEntry], *, stored: dict, workers: int = 2) -> dict:
+def job_keys(entries: list[ModuleEntry]) -> dict[tuple[str, str], str]:
+    """{(module, job label): job key}, computed once, so that a page is rendered from the keys its
+    facts were looked up or compiled under even if a source changes meanwhile."""
+    return {(e.name, label): job_key(job) for e in entries for label, job in e.jobs.items()}
+
+
+def compile_facts(entries: list[ModuleEntry], *, stored: dict, workers: int = 2,
+                  keys: dict[tuple[str, str], str] | None = None) -> dict:
     """{job key: {arch: facts}} for every job: from ``stored`` where its key is there (its source and
     toolchain unchanged), compiled for the others."""
     from kernels import inspect as ki
 
-    jobs = {job_key(job): job for e in entries for job in e.jobs.values()}
+    keys = keys or job_keys(entries)
+    jobs = {keys[(e.name, label)]: job for e in entries for label, job in e.jobs.items()}
     todo = [k for k in jobs if k not in stored]
     chunks = [todo[i:i + CHUNK] for i in range(0, len(todo), CHUNK)]
 
-    def run(keys):
-        builds = ki.compile_triton_many([jobs[k] for k in keys], archs=ARCHS, errors="keep")
-        return {k: {arch: _facts(b) for arch, b in bs.items()} for k, bs in zip(keys, builds)}
+    def run(chunk):
+        builds = ki.compile_triton_many([jobs[k] for k in chunk], archs=ARCHS, errors="keep")
+        return {k: {arch: _facts(b) for arch, b in bs.items()} for k, bs in zip(chunk, builds)}
 
     found = {k: stored[k] for k in jobs if k in stored}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -136,9 +144,10 @@ def _programs(job) -> str:
     return f"{job.programs} ({job.programs / H100_SMS:.2f} waves)"
 
 
-def render(entries: list[ModuleEntry], facts: dict) -> str:
+def render(entries: list[ModuleEntry], facts: dict, keys: dict[tuple[str, str], str] | None = None) -> str:
     import triton
 
+    keys = keys or job_keys(entries)
     lines = [
         "# What the compiler says",
         "",
@@ -171,7 +180,7 @@ def render(entries: list[ModuleEntry], facts: dict) -> str:
             lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
             for label, job in entry.jobs.items():
                 kernel = getattr(job.kernel, "fn", job.kernel).__name__
-                per_arch = facts[job_key(job)]
+                per_arch = facts[keys[(entry.name, label)]]
                 for i, arch in enumerate(ARCHS):
                     f = per_arch[arch]
                     first = f"{_cell(label)} (`{kernel}`, {job.num_warps} warps)" if i == 0 else ""
@@ -199,8 +208,9 @@ def generate(*, workers: int = 2, stored: dict | None = None) -> tuple[str, dict
     """(the page, the facts it shows), reusing ``stored`` facts whose job, toolchain and source are
     unchanged (the committed facts file by default; ``{}`` compiles everything)."""
     entries = inventory()
-    facts = compile_facts(entries, stored=read_facts() if stored is None else stored, workers=workers)
-    return render(entries, facts), facts
+    keys = job_keys(entries)
+    facts = compile_facts(entries, stored=read_facts() if stored is None else stored, workers=workers, keys=keys)
+    return render(entries, facts, keys), facts
 
 
 def main(argv=None) -> int:
