@@ -51,5 +51,5 @@ KERNEL_PACKAGES = {
     "moe": "moe",
 }
 # Modules at the top of ``kernels`` that serve every part: the device, the checks, compilation,
-# timing, the row-kernel layout helpers and the CUDA driver loader.
-INFRASTRUCTURE_MODULES = {"runtime", "testing", "inspect", "bench", "rows", "cuda_launch"}
+# its shared build cache, timing, the row-kernel layout helpers and the CUDA driver loader.
+INFRASTRUCTURE_MODULES = {"runtime", "testing", "inspect", "aot_cache", "bench", "rows", "cuda_launch"}
