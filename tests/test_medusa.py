@@ -182,6 +182,28 @@ def test_exact_rule_keeps_p_typical_does_not(model):
                                                                                        dtype=torch.float64))
     # H(p) = 1.03 nats: the threshold min(eps, delta e^-H) is 0.107 at delta 0.3, 0.25 at delta 0.7
     assert torch.equal(M.typical_children_output(p, [2], eps=0.3, delta=0.7), p)       # 0.2 < 0.25: rejected
+    # both pass min(0.09, 0.3 e^-H) = 0.09: the more likely one is emitted, not the first by rank
+    assert torch.equal(M.typical_children_output(p, [1, 0], eps=0.09, delta=0.3),
+                       torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_typical_keeps_the_longest_path_then_the_most_likely():
+    """The authors' selection: the deepest node whose whole path passes, ties by summed log p."""
+    tree = M.Tree(((), (0,), (1,), (0, 0)))                              # root; two children; a grandchild of 1
+    tokens = torch.tensor([9, 5, 6, 7])
+    p_all = torch.full((4, 10), 0.1, dtype=torch.float64)
+    p_all[0] = torch.tensor([0.0] * 5 + [0.3, 0.5] + [0.2 / 3] * 3, dtype=torch.float64)   # 5 and 6 both pass
+    p_all[1, 7] = 0.9
+    p_all[1] /= p_all[1].sum()                                          # 7 after 5: passes
+    assert M.typical_best_node(p_all, tokens, tree, 0.09, 0.3) == 3       # longer beats more likely
+    p_all[1] = 0.1
+    p_all[1, 7], p_all[1, 0] = 0.01, 0.19                               # 7 after 5: 0.01 < 0.3 e^-H ~ 0.03
+    assert M.typical_best_node(p_all, tokens, tree, 0.09, 0.3) == 2       # same length: the likelier (0.5)
+    p_all[0, 5], p_all[0, 6] = 0.5, 0.3
+    assert M.typical_best_node(p_all, tokens, tree, 0.09, 0.3) == 1
+    p_all[0, 5:7] = 0.01
+    p_all[0] /= p_all[0].sum()
+    assert M.typical_best_node(p_all, tokens, tree, 0.09, 0.3) == 0       # nothing passes: the root
 
 
 def test_sampling_rules_run(model, heads, tree):

@@ -26,8 +26,10 @@ forward of the base model that verifies the whole tree (Cai et al. 2024).
   and two rules at temperature > 0: ``"exact"`` (each node's candidates are tried in order, each
   accepted with its probability under the residual of the ones rejected before it: the output is
   distributed as the model's) and ``"typical"`` (the paper's typical acceptance: accept x when
-  p(x) > min(eps, delta * exp(-H(p))), eps = 0.3 and delta = 0.09 by default as in the authors' code;
-  the output is NOT distributed as the model's).
+  p(x) > min(eps, delta * exp(-H(p))), eps = 0.09 and delta = 0.3 by default, the values the authors'
+  ``medusa_generate`` passes to ``evaluate_posterior`` (posterior_threshold, posterior_alpha); the
+  longest accepted path is kept, ties broken by its summed log-likelihood, as there; the output is NOT
+  distributed as the model's).
 
 Shapes: B batch, Hq / Hkv query / key-value heads, T tree nodes (root included), D head dim,
 S cache slots, L the prefix length (cached positions before the tree), C d_model, V vocabulary.
@@ -477,14 +479,34 @@ def exact_children_output(p: torch.Tensor, candidates: list[int]) -> torch.Tenso
 
 
 def typical_children_output(p: torch.Tensor, candidates: list[int], eps: float, delta: float) -> torch.Tensor:
-    """Output distribution (V,) of one node under typical acceptance: the first candidate with
-    p(c) > min(eps, delta exp(-H(p))) is emitted with certainty; if none passes, a token is drawn from p."""
+    """Output distribution (V,) of one node under typical acceptance, one tree level: of the candidates
+    with p(c) > min(eps, delta exp(-H(p))), the most likely is emitted with certainty (all accepted
+    paths have length 1, so the authors' tie-break, the largest summed log-likelihood, picks it); if
+    none passes, a token is drawn from p. In a whole tree a passing candidate with a longer accepted
+    path below it wins instead (:func:`typical_best_node`)."""
     p = p.double()
     thr = float(typical_threshold(p, eps, delta))
-    for c in candidates:
-        if float(p[c]) > thr:
-            return F.one_hot(torch.tensor(c), p.numel()).double()
-    return p.clone()
+    passing = [c for c in candidates if float(p[c]) > thr]
+    if not passing:
+        return p.clone()
+    return F.one_hot(torch.tensor(max(passing, key=lambda c: float(p[c]))), p.numel()).double()
+
+
+def typical_best_node(p_all: torch.Tensor, tokens: torch.Tensor, tree: Tree, eps: float, delta: float) -> int:
+    """The node typical acceptance stops at: p_all (T, V) the model's distribution after each node,
+    tokens (T,) the tree's tokens. A node passes when p_parent(token) > min(eps, delta e^-H(p_parent));
+    of the nodes whose whole path passes, the deepest is kept, ties broken by the largest summed
+    log p along the path (FasterDecoding/Medusa ``evaluate_posterior``, fast typical). 0 if none."""
+    thr = typical_threshold(p_all, eps, delta)                            # (T,)
+    parent = tree.parent.tolist()
+    good, score, best = [True], [(0, 0.0)], 0                             # score = (depth, sum log p)
+    for i in range(1, len(tree)):                                         # parent[i] < i
+        j, pi = parent[i], float(p_all[parent[i], tokens[i]])
+        good.append(good[j] and pi > float(thr[j]))
+        score.append((score[j][0] + 1, score[j][1] + math.log(max(pi, 1e-300))))
+        if good[i] and score[i] > score[best]:
+            best = i
+    return best
 
 
 def tv_distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -495,7 +517,7 @@ def tv_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], max_new_tokens: int, tree: Tree, *,
-                    rule: str = "greedy", temperature: float = 0.0, eps: float = 0.3, delta: float = 0.09,
+                    rule: str = "greedy", temperature: float = 0.0, eps: float = 0.09, delta: float = 0.3,
                     generator: torch.Generator | None = None, attention: str = "ref"):
     """Medusa decoding at batch 1: (tokens, base-model forwards, tokens accepted from the tree per forward).
 
@@ -562,15 +584,7 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], max_new_t
                     break
         else:                                                             # typical acceptance
             p_all = dist(logits)                                          # (T, V)
-            thr = typical_threshold(p_all, eps, delta)                    # (T,)
-            ok = [True] + [bool(p_all[tree.parent[i], tokens[i]] > thr[tree.parent[i]]) for i in range(1, T)]
-            best = 0
-            for i in range(1, T):                                         # deepest node whose whole path passes
-                j, good = i, True
-                while j > 0:
-                    good, j = good and ok[j], int(tree.parent[j])
-                if good and depth[i] > depth[best]:
-                    best = i
+            best = typical_best_node(p_all, tokens, tree, eps, delta)
             while best > 0:
                 path.insert(1, best)
                 best = int(tree.parent[best])
