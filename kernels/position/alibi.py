@@ -7,8 +7,9 @@ Head h adds a fixed, untrained bias to its scores:
 so each head sees a recency prior whose strength is its slope m_h. For n heads, n a power of two,
 the slopes are the geometric sequence m_h = 2^(-8 h / n), h = 1..n (8 heads: 1/2, 1/4, ..., 1/256).
 For other n the paper takes the 2^floor(log2 n) slopes of the nearest lower power of two and fills
-the remaining heads with every other slope of the sequence for twice that power (the odd-indexed
-ones of 2^(-4 h / p'), p' = 2 * 2^floor(log2 n)), so the slopes interleave without repeating.
+the remaining heads with every other slope of the sequence for twice that power (the odd-h
+ones of 2^(-8 h / p'), h = 1, 3, 5, ..., p' = 2 * 2^floor(log2 n); 12 heads: 2^(-1/2), 2^(-3/2),
+2^(-5/2), 2^(-7/2)), so the slopes interleave without repeating.
 
 Where the bias goes: into the scores inside the attention kernel
 (``kernels.attention.flash_attention(..., alibi_slopes=...)``), never materialised. Its form there,
