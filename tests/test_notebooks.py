@@ -183,6 +183,21 @@ def test_the_second_pass_of_make_test_catches_a_machine_dependent_output(tmp_pat
     assert re.search(r"FAILED \S*threads\.ipynb::second CPU configuration::Cell 0", proc.stdout), proc.stdout[-3000:]
 
 
+def control_character_problems(nb: dict, relpath: str) -> list[str]:
+    """A markdown cell holding a tab, form feed or backspace: LaTeX's \\text, \\frac or \\big written
+    from a Python string without escaping, which MathJax cannot typeset."""
+    bad = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\t]")
+    return [f"{relpath}: markdown cell {i} holds {sorted(set(bad.findall(''.join(c['source']))))} (a backslash lost?)"
+            for i, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown" and bad.search("".join(c["source"]))]
+
+
+def test_no_markdown_cell_holds_control_characters():
+    problems = [p for path in NOTEBOOKS for p in control_character_problems(json.loads(path.read_text()), rel(path))]
+    assert not problems, "\n".join(problems)
+    md = {"cells": [{"cell_type": "markdown", "source": "$b_{\text{token}}$ and $\\frac{1}{2}$"}]}
+    assert control_character_problems(md, "a") and "\\t" in repr(control_character_problems(md, "a")[0])
+
+
 def test_references_bib_parses_as_the_book_build_reads_it():
     """sphinxcontrib-bibtex reads references.bib with pybtex; one unclosed entry stops the whole book
     build (the site test then fails far from the cause). Parse it here, and count its entries."""
