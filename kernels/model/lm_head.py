@@ -182,9 +182,7 @@ def _check_terms(name, z_loss, softcap) -> dict:
     """The optional loss terms as keyword arguments of :func:`_ce_rows`, checked."""
     if not (isinstance(z_loss, (int, float)) and 0.0 <= float(z_loss) < float("inf")):
         raise ValueError(f"{name}: z_loss must be a finite number >= 0 (PaLM uses 1e-4), got {z_loss!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < float(softcap) < float("inf")):
-        raise ValueError(f"{name}: softcap must be a finite number > 0 or None (Gemma 2 uses 30.0), got {softcap!r}")
-    return {"z_loss": float(z_loss), "softcap": None if softcap is None else float(softcap)}
+    return {"z_loss": float(z_loss), "softcap": None if softcap is None else rows.check_cap(softcap, name)}
 
 
 def _check_options(name, label_smoothing, reduction) -> None:
