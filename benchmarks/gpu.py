@@ -31,6 +31,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -842,10 +843,50 @@ def applicable(step: Step, ctx: Ctx) -> str | None:
     return None
 
 
-def run_steps(ctx: Ctx, steps=STEPS) -> dict[str, dict]:
-    """Run every step; each group's rows, checks and errors (a failing step never stops the run)."""
+def context_usable(ctx: Ctx) -> bool:
+    """Whether the device still runs work after a step failed. A sticky CUDA error (an illegal address,
+    a trap in a kernel) poisons the process's context, and every later launch in it fails too."""
+    if not ctx.real:
+        return True
+    try:
+        torch.ones(8, device=ctx.device).sum().item()
+        torch.cuda.synchronize()
+        return True
+    except Exception:                                                 # noqa: BLE001
+        return False
+
+
+def run_rest_in_fresh_process(ctx: Ctx, names: list[str], *, rehearse: bool) -> dict[str, dict]:
+    """Run the steps ``names`` in a new process (a fresh CUDA context) with this run's measured ceilings,
+    and return its groups. How the run survives a step that poisoned the context."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "groups.json"
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--no-tests", "--groups-json", str(out),
+               "--ceilings", json.dumps(ctx.ceilings), "--steps", *names] + (["--rehearse"] if rehearse else [])
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        print(proc.stdout[proc.stdout.find("benchmarks:"):].rstrip(), flush=True)
+        if proc.returncode != 0 or not out.is_file():
+            return {"errors": {"rows": [], "checks": [], "seconds": {},
+                               "errors": [{"step": ", ".join(names), "error": "the fresh process failed: "
+                                           + _error_text(RuntimeError(proc.stderr[-1500:]))}]}}
+        return json.loads(out.read_text())
+
+
+def merge_groups(groups: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
+    """``groups`` with the rows, checks, errors and step seconds of ``more`` appended, group by group."""
+    for name, g in more.items():
+        mine = groups.setdefault(name, {"rows": [], "checks": [], "errors": [], "seconds": {}})
+        for key in ("rows", "checks", "errors"):
+            mine[key] += g.get(key, [])
+        mine["seconds"].update(g.get("seconds", {}))
+    return groups
+
+
+def run_steps(ctx: Ctx, steps=STEPS, *, rehearse: bool = False) -> dict[str, dict]:
+    """Run every step; each group's rows, checks and errors (a failing step never stops the run: where it
+    left the CUDA context unusable, the steps after it run in a fresh process)."""
     groups: dict[str, dict] = {}
-    for step in steps:
+    for i, step in enumerate(steps):
         g = groups.setdefault(step.group, {"rows": [], "checks": [], "errors": [], "seconds": {}})
         reason = applicable(step, ctx)
         start = time.perf_counter()
@@ -858,6 +899,14 @@ def run_steps(ctx: Ctx, steps=STEPS) -> dict[str, dict]:
             except Exception as exc:                                  # noqa: BLE001
                 g["errors"].append({"step": step.name, "error": _error_text(exc),
                                     "traceback": traceback.format_exc(limit=6)[-3000:]})
+                if not context_usable(ctx):
+                    rest = [s.name for s in steps[i + 1:]]
+                    g["errors"].append({"step": step.name, "error": f"the CUDA context was lost; {len(rest)} "
+                                        "later steps ran in a fresh process"})
+                    g["rows"] += add_ratios(ctx.rows)
+                    g["checks"] += ctx.checks
+                    g["seconds"][step.name] = round(time.perf_counter() - start, 2)
+                    return merge_groups(groups, run_rest_in_fresh_process(ctx, rest, rehearse=rehearse)) if rest else groups
         g["rows"] += add_ratios(ctx.rows)
         g["checks"] += ctx.checks
         g["seconds"][step.name] = round(time.perf_counter() - start, 2)
@@ -974,7 +1023,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every step at a toy size through the interpreter on the CPU (not performance)")
     parser.add_argument("--steps", nargs="*", help="run only these steps (names from --plan)")
     parser.add_argument("--no-tests", action="store_true", help="skip the native pytest pass")
+    parser.add_argument("--ceilings", type=json.loads, help=argparse.SUPPRESS)       # from a parent run
+    parser.add_argument("--groups-json", type=Path, help=argparse.SUPPRESS)          # where a child run reports
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.steps or ()) - {s.name for s in STEPS})
+    if unknown:
+        parser.error(f"--steps: no step named {', '.join(map(repr, unknown))}; `--plan` lists them")
     if args.plan:
         print(plan_text())
         return 0
@@ -994,7 +1048,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.rehearse:
         print(REHEARSAL_NOTE)
-    ctx = Ctx(real=not args.rehearse, device=rt.device)
+    ctx = Ctx(real=not args.rehearse, device=rt.device, ceilings=dict(args.ceilings or {}))
+    if args.ceilings:                      # a child run: the parent measured the ceilings already
+        steps = [s for s in steps if s.name != "ceilings"]
     groups = {}
     if not args.no_tests and not args.rehearse:
         print(f"native tests (cap {TESTS_CAP_S:.0f} s):", flush=True)
@@ -1004,9 +1060,12 @@ def main(argv: list[str] | None = None) -> int:
                            "seconds": {"tests": round(time.perf_counter() - start, 1)}}
         ctx.checks = []
     print("benchmarks:", flush=True)
-    groups.update(run_steps(ctx, steps))
+    merge_groups(groups, run_steps(ctx, steps, rehearse=args.rehearse))
     for g in groups.values():
         g["ceilings"] = dict(ctx.ceilings)
+    if args.groups_json:
+        args.groups_json.write_text(json.dumps(groups, default=str))
+        return 0
     if args.out:
         for path in write_results(groups, info, args.out, rehearsal=args.rehearse):
             print(f"wrote {path}")

@@ -46,6 +46,27 @@ def test_a_wrong_kernel_is_a_failed_check_and_the_run_goes_on():
     assert groups["ceilings"]["rows"] and not groups["ceilings"]["errors"]
 
 
+def test_a_step_that_poisons_the_context_leaves_the_later_steps_to_a_fresh_process(monkeypatch):
+    """A sticky CUDA error (an illegal address) makes every later launch in the process fail: the steps
+    after it run in a new process, with this run's ceilings, and their results join this run's."""
+    ctx = gpu.Ctx(real=False, device=runtime.device())
+
+    def illegal_address(_ctx):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(gpu, "context_usable", lambda _ctx: False)
+    groups = gpu.run_steps(ctx, [gpu.Step("bad", "g", "toy", 1, 1, illegal_address), gpu.STEPS[0]], rehearse=True)
+    assert "illegal memory access" in groups["g"]["errors"][0]["error"]
+    assert "fresh process" in groups["g"]["errors"][1]["error"]
+    ran = groups["ceilings"]
+    assert ran["errors"] == [] and len(ran["rows"]) == gpu.STEPS[0].rows and "ceilings" in ran["seconds"]
+
+
+def test_a_step_name_that_does_not_exist_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--rehearse", "--steps", "gemm", "gemmm"])
+    assert "'gemmm'" in capsys.readouterr().err
+
+
 def test_the_plan_fits_eight_minutes_and_names_every_step():
     text = gpu.plan_text()
     total = gpu.STARTUP_S + gpu.TESTS_CAP_S + sum(s.estimate_s for s in gpu.STEPS)
