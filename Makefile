@@ -56,8 +56,9 @@ gpu-plan:
 
 # The versions a lent GPU machine has (torch 2.11, triton 3.6), on the CPU: a side environment in
 # .venv-compat with the course's requirements but those two pins, running the tests under the
-# interpreter. Not part of `make test`. The nvidia-* pins (the CUDA 13.2 compile tools) are left to
-# torch 2.11, which pins its own CUDA 13.0 libraries; numpy stays below 2.4, where Triton 3.6's
+# interpreter. Not part of `make test`. The CUDA 13.2 compile tools (nvcc, ptxas, nvdisasm) keep their
+# pins, since the PTX probes emit PTX 9.2, which Triton 3.6's own ptxas (CUDA 12.8) refuses; only the
+# CUDA runtime is left to torch 2.11, which pins its own 13.0 libraries; numpy stays below 2.4, where Triton 3.6's
 # interpreter still runs (it converts one-element arrays to scalars, an error from numpy 2.4 on; the
 # GPU run never uses the interpreter). PyPI's torch 2.11 for Linux x86_64 is its CUDA build: the
 # first run downloads about 4 GB (torch and its nvidia-* libraries, triton 3.6 is 188 MB) and installs
@@ -66,9 +67,10 @@ COMPAT       := .venv-compat
 COMPAT_TESTS ?= tests
 compat:
 	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
-	grep -v -E '^(torch|triton|numpy|nvidia-[a-z-]+)==' requirements.txt > $(COMPAT)/requirements.txt
-	grep -v -E '^(torch|triton|numpy|nvidia-[a-z-]+)==' requirements-lock.txt > $(COMPAT)/constraints.txt
+	grep -v -E '^(torch|triton|numpy|nvidia-cuda-runtime)==' requirements.txt > $(COMPAT)/requirements.txt
+	grep -v -E '^(torch|triton|numpy|nvidia-cuda-runtime)==' requirements-lock.txt > $(COMPAT)/constraints.txt
 	$(COMPAT)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 "numpy<2.4" -r $(COMPAT)/requirements.txt -c $(COMPAT)/constraints.txt
+	$(COMPAT)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(COMPAT)/bin/python -c "import torch, triton; print('compat: torch', torch.__version__, 'triton', triton.__version__)"
 	$(COMPAT)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" -p no:cacheprovider $(COMPAT_TESTS)
 

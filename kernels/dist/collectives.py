@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.dist import all_gather_single, reduce_scatter_single
+
 
 @dataclass
 class Traffic:
@@ -163,7 +165,7 @@ def all_reduce_ref(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_ref(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(dist.get_world_size() * x.numel(), dtype=x.dtype)
-    dist.all_gather_single(out, x.detach().flatten().contiguous())
+    all_gather_single(out, x.detach().flatten().contiguous())
     return out
 
 
@@ -173,7 +175,7 @@ def reduce_scatter_ref(x: torch.Tensor) -> torch.Tensor:
     if flat.numel() % p:
         return all_reduce_ref(flat).tensor_split(p)[dist.get_rank()].clone()
     out = torch.empty(flat.numel() // p, dtype=x.dtype)
-    dist.reduce_scatter_single(out, flat)
+    reduce_scatter_single(out, flat)
     return out
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.dist import all_gather_single, reduce_scatter_single
 from kernels.dist import tensor_parallel as tp
 from kernels.model.gpt import GPT, rms_norm_torch, rope
 
@@ -65,7 +66,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     xs = x.transpose(0, 1).contiguous()                                 # (T/t, B, C): sequence leading
     out = torch.empty(t * xs.numel(), dtype=x.dtype)
-    dist.all_gather_single(out, xs.flatten(), group=group)
+    all_gather_single(out, xs.flatten(), group=group)
     # contiguous: a transposed view would make each of W_q, W_k, W_v save its own contiguous copy
     return out.view(t * xs.shape[0], *xs.shape[1:]).transpose(0, 1).contiguous()
 
@@ -75,7 +76,7 @@ def _scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     xs = x.transpose(0, 1).contiguous()                                 # (T, B, C)
     out = torch.empty(xs.numel() // t, dtype=x.dtype)
-    dist.reduce_scatter_single(out, xs.flatten(), group=group)
+    reduce_scatter_single(out, xs.flatten(), group=group)
     return out.view(xs.shape[0] // t, *xs.shape[1:]).transpose(0, 1).contiguous()
 
 

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.dist import ALL_GATHER, REDUCE_SCATTER, all_gather_single, reduce_scatter_single
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -91,12 +93,12 @@ class FlatZero:
             grad_slice = g
         else:
             grad_slice = torch.empty(self.slice, dtype=g.dtype)        # (padded / N,)
-            dist.reduce_scatter_single(grad_slice, g)                  # each rank: the sum of its slice only
+            reduce_scatter_single(grad_slice, g)                  # each rank: the sum of its slice only
         self.shard.grad = grad_slice / self.n                          # mean over the ranks' batches
         self.opt.step()                                                # Adam on Psi (stage 0) or Psi / N elements
         if self.stage and self.broken != "no_gather":
             gathered = torch.empty_like(self.flat)
-            dist.all_gather_single(gathered, self.shard.detach().clone())
+            all_gather_single(gathered, self.shard.detach().clone())
             self.flat.copy_(gathered)
 
     def zero_grad(self) -> None:
@@ -169,14 +171,15 @@ def train_flat_zero(steps, batch, seq, lr, stage, broken=None) -> dict:
 
 
 class _Recorder:
-    """Wraps dist.all_gather_single / reduce_scatter_single (what FSDP2 and FlatZero call) and
+    """Wraps dist.all_gather_single / reduce_scatter_single (all_gather_into_tensor /
+    reduce_scatter_tensor before torch 2.13: what FSDP2 and FlatZero call) and
     dist.all_reduce (FlatZero's stage 0) to log each call as (op, phase, elements)."""
 
     def __init__(self):
         self.events, self.phase = [], "forward"
 
     def __enter__(self):
-        self._ag, self._rs, self._ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
+        self._ag, self._rs, self._ar = getattr(dist, ALL_GATHER), getattr(dist, REDUCE_SCATTER), dist.all_reduce
 
         def size(a, k):                                            # the larger tensor: gathered / scattered
             return max(t.numel() for t in list(a) + list(k.values()) if torch.is_tensor(t))
@@ -193,11 +196,17 @@ class _Recorder:
             self.events.append(("all-reduce", self.phase, size(a, k)))
             return self._ar(*a, **k)
 
-        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = ag, rs, ar
+        self._set(ag, rs, ar)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = self._ag, self._rs, self._ar
+        self._set(self._ag, self._rs, self._ar)
+
+    @staticmethod
+    def _set(ag, rs, ar):
+        setattr(dist, ALL_GATHER, ag)
+        setattr(dist, REDUCE_SCATTER, rs)
+        dist.all_reduce = ar
 
 
 def ring_bytes_sent(events, element_bytes: int, n_ranks: int) -> float:

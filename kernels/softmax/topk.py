@@ -152,7 +152,9 @@ def _softmax_topk_kernel(
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)   # l' = l e^(m - m') + sum e^(x - m')
         m = m_new
         keys = tl.where(c < n_cols, _pack(x, c), -2**63)                  # (BLOCK_N,); padded lanes lose
-        both = tl.cat(top, tl.topk(keys, BLOCK_K))                        # (2 BLOCK_K,): old top, block's top
+        # (2 BLOCK_K,): old top and block's top, in any order: topk reads them as a set (the packed keys
+        # are distinct), so the unordered cat is exact, and it is the only cat Triton 3.6 has
+        both = tl.cat(top, tl.topk(keys, BLOCK_K), can_reorder=True)
         top = tl.topk(both, BLOCK_K)                                      # the BLOCK_K largest, largest first
     v, col = _unpack(top)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
