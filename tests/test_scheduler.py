@@ -71,6 +71,10 @@ def test_bad_arguments():
         Scheduler(BlockAllocator(4, 4), policy="fifo")
     with pytest.raises(ValueError, match=">= 1"):
         Scheduler(BlockAllocator(4, 4), chunk=0)
+    with pytest.raises(ValueError, match="order"):
+        Scheduler(BlockAllocator(4, 4), order="lifo")
+    with pytest.raises(ValueError, match="prefix_cache"):
+        Scheduler(BlockAllocator(4, 4), order="lpm")              # nothing to rank by
 
 
 def _requests(n=40):
@@ -148,6 +152,22 @@ def test_a_failed_admission_does_not_count_as_a_cache_hit():
     assert cache.hit_tokens == 0 and cache.queried_tokens == 0 and alloc.refcount[cache.match([1, 2, 3, 4])[0]] == 1
 
 
+def test_lpm_admits_the_longest_cached_prefix_first():
+    """order="lpm" admits by cached pages (2 > 1 > 0), ties in arrival order; "fcfs" by arrival."""
+    admitted = {}
+    for order in ("fcfs", "lpm"):
+        alloc = BlockAllocator(16, 4)
+        cache = RadixCache(alloc)
+        _cached(alloc, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+        s = Scheduler(alloc, max_tokens=64, max_seqs=1, prefix_cache=cache, order=order)
+        for i, prompt in enumerate([[9] * 5, [1, 2, 3, 4, 9], [7] * 5, [1, 2, 3, 4, 5, 6, 7, 8, 9]]):
+            s.add(Sequence(i, prompt, 1))
+        plans = _drive(s)
+        admitted[order] = [p[0][0] for p in plans if p[0][2] > 1 or p[0][1] > 0]    # each prefill's sequence
+    assert admitted["fcfs"] == [0, 1, 2, 3]
+    assert admitted["lpm"] == [3, 1, 0, 2]
+
+
 # ---------------------------------------------------------------- random workloads
 
 def _fake_token(seq) -> int:
@@ -165,7 +185,7 @@ def _run_workload(rng: random.Random, max_steps: int = 4000) -> dict:
     cache = RadixCache(alloc) if rng.random() < 0.7 else None
     s = Scheduler(alloc, max_tokens=rng.choice([1, 3, 8, 64]), max_seqs=rng.choice([1, 2, 4, 16]),
                   chunk=rng.choice([None, 1, 3, 7]), prefix_cache=cache, policy=rng.choice(["continuous"] * 3 + ["static"]),
-                  cache_after_prefill=rng.random() < 0.5)
+                  cache_after_prefill=rng.random() < 0.5, order="lpm" if cache is not None and rng.random() < 0.5 else "fcfs")
     prefixes = [[rng.randint(41, 60) for _ in range(rng.randint(0, 12))] for _ in range(3)]
     store: dict[tuple[int, int], int] = {}
     requests, arrivals = [], {}

@@ -195,6 +195,7 @@ class EngineConfig:
     prefix_cache: bool = False
     cache_after_prefill: bool = True   # with prefix_cache: insert after prefill too, not only at the end
     policy: str = "continuous"
+    order: str = "fcfs"            # the waiting queue's order: "fcfs", or "lpm" (longest cached prefix first)
     use_kernels: bool = False      # Triton paged decode attention and the Triton sampler
     seed: int = 0                  # draws the seeds of requests that bring none
     kv_cache: Callable | None = None   # builds the KV cache; None: float pages (PagedKVCache); quantized:
@@ -245,7 +246,7 @@ class Engine:
         self.cache = RadixCache(self.allocator) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, max_tokens=config.max_tokens, max_seqs=config.max_seqs,
                                    chunk=config.chunk, prefix_cache=self.cache, policy=config.policy,
-                                   cache_after_prefill=config.cache_after_prefill)
+                                   cache_after_prefill=config.cache_after_prefill, order=config.order)
         self.runner = PagedRunner(model, config.num_pages, config.page_size, use_kernels=config.use_kernels,
                                   kv_cache=config.kv_cache)
         self.sampler = Sampler(use_kernels=config.use_kernels)

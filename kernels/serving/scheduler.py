@@ -13,7 +13,8 @@ v1 scheduler, vllm-project/vllm@b4622cf9, vllm/v1/core/sched/scheduler.py; writt
    prefix cache gives back unused pages, then the newest running sequence is *preempted by
    recompute*: its pages are freed, its computed count reset to 0, and it goes to the front of the
    waiting queue with its prompt and the tokens it generated, to be prefilled again later;
-2. then waiting sequences in arrival order while budget, seats and pages last: a cached prefix is
+2. then waiting sequences in arrival order (``order="lpm"``: longest cached prefix first, SGLang's
+   longest-prefix-match policy) while budget, seats and pages last: a cached prefix is
    taken from the radix cache (its pages shared, not recomputed), the rest is prefilled in chunks of
    at most ``chunk`` tokens (chunked prefill: a long prompt no longer stalls the decodes for a step).
 
@@ -110,9 +111,13 @@ class Work:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, max_tokens: int = 256, max_seqs: int = 64,
                  chunk: int | None = None, prefix_cache=None, policy: str = "continuous",
-                 cache_after_prefill: bool = True):
+                 cache_after_prefill: bool = True, order: str = "fcfs"):
         if policy not in ("continuous", "static"):
             raise ValueError(f"Scheduler: policy must be 'continuous' or 'static', got {policy!r}")
+        if order not in ("fcfs", "lpm"):
+            raise ValueError(f"Scheduler: order must be 'fcfs' or 'lpm', got {order!r}")
+        if order == "lpm" and prefix_cache is None:
+            raise ValueError("Scheduler: order='lpm' ranks requests by their cached prefix: it needs a prefix_cache")
         if max_tokens < 1 or max_seqs < 1 or (chunk is not None and chunk < 1):
             raise ValueError("Scheduler: max_tokens, max_seqs and chunk must be >= 1")
         self.allocator = allocator
@@ -120,7 +125,7 @@ class Scheduler:
         self.max_tokens, self.max_seqs, self.chunk = max_tokens, max_seqs, chunk
         self.cache = prefix_cache
         self.cache_after_prefill = cache_after_prefill
-        self.policy = policy
+        self.policy, self.order = policy, order
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.copies: list[tuple[int, int]] = []         # this step's copy-on-write (source, destination) pages
@@ -174,6 +179,16 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _order_waiting(self) -> None:
+        """With ``order="lpm"``, sort the waiting queue by the length of each request's cached prefix,
+        longest first, ties in queue order (sorted is stable). As in SGLang's LPM policy
+        (sgl-project/sglang@ad0119f, managers/schedule_policy.py) the lookup also refreshes the matched
+        nodes' LRU time, so a prefix that waiting requests want is evicted last."""
+        if self.order != "lpm" or len(self.waiting) < 2:
+            return
+        hit = {s.id: len(self.cache.match(s.tokens[:-1], count=False)) for s in self.waiting}   # pages
+        self.waiting = deque(sorted(self.waiting, key=lambda s: -hit[s.id]))
+
     def _chunk(self, remaining: int, budget: int) -> int:
         return min(remaining, budget, self.chunk or remaining)
 
@@ -224,7 +239,9 @@ class Scheduler:
                 drafted[seq.id] = extra
                 budget -= extra
         admit = self.policy == "continuous" or not self.running
-        while admit and self.waiting and budget > 0:         # 2. waiting, in arrival order
+        if admit:
+            self._order_waiting()
+        while admit and self.waiting and budget > 0:         # 2. waiting, in arrival (or LPM) order
             seq = self.waiting[0]
             if sum(s.seats for s in self.running) + seq.seats > self.max_seqs:
                 break
