@@ -77,3 +77,94 @@ def cluster_sum(x: torch.Tensor, cluster: int = 4, n_per_block: int = 1024, *, s
                     del actors[r]
         results.append(out[0])
     return torch.stack(results)
+
+
+# ----------------------------------------------------------------------------------------------
+# A multicast ring: kernels/cuda/cluster_multicast.cu's cluster_multicast_sums, block by block
+
+
+class _Barrier:
+    """An mbarrier's phase bookkeeping: ``phases`` completed, ``pending`` arrivals left in this one."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.phases = count, count, 0
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+
+def multicast_sums_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """out[b, i] = scale[b] * sum(x[i]) for x (n_tiles, tile), in float64."""
+    return scale.double()[:, None] * x.double().sum(1)[None, :]
+
+
+def _producer(x, rings, full, empty, stages, cluster, events):
+    """Rank 0's thread 0: wait until every block released slot s, multicast tile i into all of them."""
+    for i in range(x.shape[0]):
+        s = i % stages
+        while empty[s].phases < i // stages:               # round r needs r completed releases of slot s
+            yield "wait"
+        for b in range(cluster):                            # one copy, written into every block's slot s
+            rings[b][s] = x[i].double().clone()
+            full[b][s].arrive()                             # complete_tx on each block's full[s]
+        events[0] += 1
+        yield "copied"
+
+
+def _consumer(rank, scale, rings, full, empty, stages, n_tiles, out, events):
+    """Block ``rank``: wait for tile i in its slot, sum it, arrive on rank 0's empty[s] (remote arrive)."""
+    for i in range(n_tiles):
+        s = i % stages
+        while full[rank][s].phases < i // stages + 1:
+            yield "wait"
+        out[rank, i] = scale[rank] * rings[rank][s].sum()
+        events[0] += 1
+        yield "summed"
+        empty[s].arrive()
+        events[0] += 1
+        yield "released"
+
+
+def multicast_sums(x: torch.Tensor, scale: torch.Tensor, *, stages: int = 2, empty_count: int | None = None,
+                   schedule: str = "leader_first") -> torch.Tensor:
+    """Emulate ``cluster_multicast_sums`` for one cluster of ``scale.numel()`` blocks: rank 0 loads
+    each tile of ``x`` (n_tiles, tile) once into every block's ring slot; each block releases the
+    slot by arriving on rank 0's ``empty`` barrier, which expects ``empty_count`` arrivals (the
+    cluster size by default; 1, counting only rank 0's own block, is the broken variant).
+
+    Actors (the producer, one consumer per block) take one step at a time; after every step the
+    schedule runs the first actor in its priority order that can move: rank 0's producer and
+    consumer first ("leader_first") or the other blocks first ("followers_first"). Slots start as
+    NaN, so a read of a slot that was never filled shows."""
+    cluster = scale.numel()
+    if x.dim() != 2 or scale.dim() != 1 or not 1 <= cluster <= hardware.MAX_CLUSTER_SIZE_NONPORTABLE["sm90"]:
+        raise ValueError(f"x must be (n_tiles, tile) and scale 1-D, one value per block (1..16 blocks), "
+                         f"got {tuple(x.shape)} and {tuple(scale.shape)}")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    if schedule not in ("leader_first", "followers_first"):
+        raise ValueError(f"schedule must be 'leader_first' or 'followers_first', got {schedule!r}")
+    n_tiles, tile = x.shape
+    rings = [[torch.full((tile,), float("nan"), dtype=torch.float64) for _ in range(stages)] for _ in range(cluster)]
+    full = [[_Barrier(1) for _ in range(stages)] for _ in range(cluster)]
+    empty = [_Barrier(cluster if empty_count is None else empty_count) for _ in range(stages)]
+    out = torch.full((cluster, n_tiles), float("nan"), dtype=torch.float64)
+    events = [0]
+    actors = {"producer": _producer(x, rings, full, empty, stages, cluster, events)}
+    actors.update({r: _consumer(r, scale.double(), rings, full, empty, stages, n_tiles, out, events) for r in range(cluster)})
+    order = ["producer", 0, *range(1, cluster)] if schedule == "leader_first" else [*range(1, cluster), "producer", 0]
+    while actors:
+        for name in [a for a in order if a in actors]:
+            before = events[0]
+            try:
+                next(actors[name])
+            except StopIteration:
+                del actors[name]
+                break
+            if events[0] != before:                          # it moved: start again from the first in order
+                break
+        else:
+            raise RuntimeError("deadlock: every actor waits on a barrier no one will complete")
+    return out
