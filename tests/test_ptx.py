@@ -256,6 +256,37 @@ def test_src_size_zero_fills_the_tail_and_reads_nothing_past_it():
         ca.pipelined_tile_sums(x, 3, n=x.numel() + 1)
 
 
+def test_mbarrier_arrive_tracks_every_earlier_copy_committed_or_not():
+    unit = ca.AsyncCopyUnit()
+    dst = torch.zeros(3, 4)
+    src = torch.arange(12.0).reshape(3, 4)
+    unit.cp_async(dst[0], src[0])
+    unit.commit_group()
+    unit.cp_async(dst[1], src[1])                          # not committed: tracked all the same
+    bar = ca.Mbarrier(1)
+    unit.mbarrier_arrive_noinc(bar)
+    unit.cp_async(dst[2], src[2])                          # issued after the arrive: not tracked
+    assert not bar.done(0) and dst.abs().sum() == 0       # lazy: nothing has landed, no arrival yet
+    bar.wait(0)
+    assert torch.equal(dst[:2], src[:2]) and dst[2].abs().sum() == 0 and bar.done(0)
+    with pytest.raises(RuntimeError, match="would never return"):
+        bar.wait(1)                                        # the next phase has no arrival coming
+    with pytest.raises(ValueError, match="count >= 1"):
+        ca.Mbarrier(0)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_mbarrier_pipeline_and_its_broken_variant(stages):
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(stages))
+    for eager in (False, True):
+        assert_close(ca.mbarrier_tile_sums(x, stages, eager=eager), ca.tile_sums_ref(x), dtype=torch.float32)
+    # arriving before the copy is issued: the lazy schedule reads a slot whose tile has not landed
+    with pytest.raises(MismatchError):
+        assert_close(ca.mbarrier_tile_sums(x, stages, arrive_first=True), ca.tile_sums_ref(x), dtype=torch.float32)
+    assert_close(ca.mbarrier_tile_sums(x, stages, arrive_first=True, eager=True), ca.tile_sums_ref(x),
+                 dtype=torch.float32)
+
+
 def test_group_semantics():
     unit = ca.AsyncCopyUnit()
     src = torch.arange(12.0).reshape(3, 4)

@@ -30,13 +30,57 @@ from dataclasses import dataclass, field
 import torch
 
 
+class _Copy:
+    """One issued cp.async: its destination and the bytes it will write; lands at most once."""
+
+    def __init__(self, dst: torch.Tensor, data: torch.Tensor):
+        self.dst, self.data, self.landed = dst, data, False
+
+    def land(self) -> None:
+        if not self.landed:
+            self.dst.copy_(self.data)
+            self.landed = True
+
+
+class Mbarrier:
+    """An mbarrier as one thread sees it: ``count`` arrivals complete a phase; ``phases`` counts
+    the completed ones. ``wait(parity)`` is mbarrier.test_wait.parity in a loop: it returns once
+    the phase with that parity has completed (the current phase's parity differs from it)."""
+
+    def __init__(self, count: int):
+        if count < 1:
+            raise ValueError(f"an mbarrier needs count >= 1, got {count}")
+        self.count, self.pending, self.phases = count, count, 0
+        self.tracked: list[tuple[list, AsyncCopyUnit]] = []   # arrivals waiting for their copies
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def done(self, parity: int) -> bool:
+        return self.phases % 2 != parity
+
+    def wait(self, parity: int) -> None:
+        """Land the copies the barrier's pending arrivals track (lazily, as late as the ISA allows),
+        make those arrivals, then require the phase: one thread cannot be woken by anyone else."""
+        while not self.done(parity) and self.tracked:
+            copies, _ = self.tracked.pop(0)
+            for c in copies:
+                c.land()
+            self.arrive()
+        if not self.done(parity):
+            raise RuntimeError(f"mbarrier wait on parity {parity} would never return: "
+                               f"{self.pending} of {self.count} arrivals missing")
+
+
 class AsyncCopyUnit:
     """One thread's cp.async state: uncommitted copies and the queue of committed groups."""
 
     def __init__(self, *, eager: bool = False):
         self.eager = eager
-        self.uncommitted: list = []
-        self.groups: deque[list] = deque()
+        self.uncommitted: list[_Copy] = []
+        self.groups: deque[list[_Copy]] = deque()
         self.log: list[str] = []
 
     def cp_async(self, dst: torch.Tensor, src: torch.Tensor, src_bytes: int | None = None) -> None:
@@ -57,10 +101,10 @@ class AsyncCopyUnit:
             landed = torch.zeros_like(src).flatten()
             landed[:keep] = src.flatten()[:keep]     # bytes past src_bytes are never read
             landed = landed.view_as(src)
+        copy = _Copy(dst, landed)
         if self.eager:
-            dst.copy_(landed)
-        else:
-            self.uncommitted.append((dst, landed))
+            copy.land()
+        self.uncommitted.append(copy)
         self.log.append(f"cp.async {nbytes} B" + ("" if src_bytes is None else f", src-size {src_bytes}"))
 
     def commit_group(self) -> None:
@@ -73,13 +117,23 @@ class AsyncCopyUnit:
         if n < 0:
             raise ValueError(f"wait_group N needs N >= 0, got {n}")
         while len(self.groups) > n:
-            for dst, src in self.groups.popleft():
-                dst.copy_(src)
+            for copy in self.groups.popleft():
+                copy.land()
         self.log.append(f"wait_group {n} -> {len(self.groups)} pending")
 
     def wait_all(self) -> None:
         self.commit_group()
         self.wait_group(0)
+
+    def mbarrier_arrive_noinc(self, bar: Mbarrier) -> None:
+        """cp.async.mbarrier.arrive.noinc: one arrival on ``bar``, made once every cp.async this
+        thread issued before it (committed or not) has landed; it counts against ``bar``'s count."""
+        copies = [c for g in self.groups for c in g if not c.landed] + [c for c in self.uncommitted if not c.landed]
+        if copies:
+            bar.tracked.append((copies, self))
+        else:
+            bar.arrive()
+        self.log.append(f"cp.async.mbarrier.arrive.noinc -> tracks {len(copies)} copies")
 
     @property
     def pending(self) -> int:
@@ -134,6 +188,39 @@ def pipelined_tile_sums(x: torch.Tensor, stages: int = 3, *, n: int | None = Non
             issue(j)
         unit.commit_group()                          # possibly empty: keeps the group count regular
     unit.wait_group(0)
+    return out
+
+
+def mbarrier_tile_sums(x: torch.Tensor, stages: int = 3, *, arrive_first: bool = False, eager: bool = False) -> torch.Tensor:
+    """The loop of ``cp_async_mbarrier_tile_sums``, for one thread: each slot has a ``full``
+    barrier of count 1; a tile's copy is followed by ``cp.async.mbarrier.arrive.noinc`` on its
+    slot's barrier, and the sum of tile i waits on that barrier's phase (i // stages) & 1 instead of
+    a group. ``arrive_first`` is the broken variant that arrives before issuing the copy: the
+    arrival tracks nothing of the tile, so the wait passes before the tile has landed."""
+    if stages < 2:
+        raise ValueError(f"a pipeline needs stages >= 2 (one buffer being filled, one being read), got {stages}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be (n_tiles, tile), got shape {tuple(x.shape)}")
+    n_tiles, tile = x.shape
+    smem = torch.full((stages, tile), float("nan"), dtype=x.dtype)
+    full = [Mbarrier(1) for _ in range(stages)]
+    unit = AsyncCopyUnit(eager=eager)
+    out = torch.empty(n_tiles, dtype=torch.float32)
+
+    def issue(j: int) -> None:
+        if arrive_first:
+            unit.mbarrier_arrive_noinc(full[j % stages])
+        unit.cp_async(smem[j % stages], x[j])
+        if not arrive_first:
+            unit.mbarrier_arrive_noinc(full[j % stages])
+
+    for j in range(min(stages - 1, n_tiles)):        # prologue: no commit groups
+        issue(j)
+    for i in range(n_tiles):
+        full[i % stages].wait((i // stages) & 1)     # tile i has landed in smem[i % stages]
+        out[i] = smem[i % stages].float().sum()
+        if i + stages - 1 < n_tiles:
+            issue(i + stages - 1)                    # refill the slot tile i-1 used
     return out
 
 
