@@ -189,3 +189,32 @@ def test_gpu_cluster_sum_push():
     assert_close(out.cpu(), CL.cluster_sum_ref(x.cpu(), 2, n), dtype=torch.float32,
                  baseline=x.cpu().reshape(clusters, -1).sum(1))
     assert torch.equal(count.cpu(), (x.cpu().reshape(clusters, -1) > 0).sum(1).int())
+
+
+@pytest.mark.parametrize("cluster, n_per_block, clusters", [(1, 7, 2), (2, 64, 3), (4, 33, 2), (16, 3, 1)])
+@pytest.mark.parametrize("schedule", ["leader_first", "followers_first"])
+def test_push_sum_is_exact_under_both_schedules(cluster, n_per_block, clusters, schedule):
+    x = ints(cluster * n_per_block * clusters, cluster * 7 + n_per_block)
+    sums, counts = CL.push_sum(x, cluster, n_per_block, schedule=schedule)
+    want_sums, want_counts = CL.push_sum_ref(x, cluster, n_per_block)
+    assert torch.equal(sums, want_sums) and torch.equal(counts, want_counts)
+
+
+def test_push_sum_expecting_too_few_bytes_reads_early_or_hangs():
+    x = ints(4 * 33, 9)
+    want_sums, want_counts = CL.push_sum_ref(x, 4, 33)
+    sums, counts = CL.push_sum(x, 4, 33, expect_bytes=24)              # one block's 8 bytes short
+    assert torch.isnan(sums).all()                                      # a slot read before its st.async landed
+    sums, counts = CL.push_sum(x, 4, 33, expect_bytes=28)              # the last red.async not waited for
+    assert torch.equal(sums, want_sums) and not torch.equal(counts, want_counts)
+    with pytest.raises(RuntimeError, match="deadlock"):                 # bytes already landed: tx never returns to 0
+        CL.push_sum(x, 4, 33, expect_bytes=24, schedule="followers_first")
+    with pytest.raises(RuntimeError, match="deadlock"):                 # more bytes than anyone sends
+        CL.push_sum(x, 4, 33, expect_bytes=40)
+
+
+def test_push_sum_bad_inputs():
+    with pytest.raises(ValueError, match="multiple of cluster"):
+        CL.push_sum(torch.zeros(10), 4, 2)
+    with pytest.raises(ValueError, match="schedule must be"):
+        CL.push_sum(torch.zeros(8), 4, 2, schedule="random")

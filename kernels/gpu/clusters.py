@@ -168,3 +168,93 @@ def multicast_sums(x: torch.Tensor, scale: torch.Tensor, *, stages: int = 2, emp
         else:
             raise RuntimeError("deadlock: every actor waits on a barrier no one will complete")
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# A push reduction: kernels/cuda/cluster_multicast.cu's cluster_sum_push, block by block
+
+
+class _TxBarrier:
+    """An mbarrier with a transaction count: a phase completes when its one arrival has been made
+    (rank 0's expect_tx) and the bytes it expects have all landed (tx-count back at zero)."""
+
+    def __init__(self):
+        self.pending, self.tx, self.phases = 1, 0, 0
+
+    def _check(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.phases, self.pending = self.phases + 1, 1
+
+    def arrive_expect_tx(self, nbytes: int) -> None:
+        self.pending -= 1
+        self.tx += nbytes
+        self._check()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes                                   # may go below zero before the expect_tx
+        self._check()
+
+
+def push_sum_ref(x: torch.Tensor, cluster: int, n_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, number of positive elements) of each cluster's cluster * n_per_block elements."""
+    rows = x.double().reshape(-1, cluster * n_per_block)
+    return rows.sum(1), (rows > 0).sum(1)
+
+
+def _pusher(rank, x, n_per_block, first_block, slots, counter, bar):
+    """One block of ``cluster_sum_push``: st.async its partial into rank 0's slot[rank] and
+    red.async its positive count into rank 0's counter, each completing 4 bytes on rank 0's barrier."""
+    start = (first_block + rank) * n_per_block
+    part = x[start: start + n_per_block].double()
+    yield "computed"
+    slots[rank] = part.sum()                                # st.async.shared::cluster ... [slot], partial, [bar]
+    bar.complete_tx(4)
+    yield "stored"
+    counter[0] += int((part > 0).sum())                     # red.async ... .add.u32 [counter], count, [bar]
+    bar.complete_tx(4)
+    yield "added"
+
+
+def _collector(cluster, slots, counter, bar, expect_bytes, out):
+    """Rank 0's thread 0 after its own push: expect the bytes on its barrier, wait, read its slots."""
+    bar.arrive_expect_tx(expect_bytes)
+    while bar.phases == 0:
+        yield "wait"
+    out.append((sum(slots[r] for r in range(cluster)), counter[0]))
+
+
+def push_sum(x: torch.Tensor, cluster: int = 2, n_per_block: int = 64, *, expect_bytes: int | None = None,
+             schedule: str = "leader_first") -> tuple[torch.Tensor, torch.Tensor]:
+    """Emulate ``cluster_sum_push``: every block pushes into rank 0 (st.async, red.async), rank 0
+    waits on its own barrier for ``expect_bytes`` (8 per block by default; fewer is the broken
+    variant) and reads its slots, which start as NaN. Actors take one step at a time, the schedule
+    giving rank 0's collector ("leader_first") or the other blocks ("followers_first") priority."""
+    if x.dim() != 1 or x.numel() % (cluster * n_per_block):
+        raise ValueError(f"x must be 1-D with a multiple of cluster * n_per_block = {cluster * n_per_block} elements, "
+                         f"got shape {tuple(x.shape)}")
+    if schedule not in ("leader_first", "followers_first"):
+        raise ValueError(f"schedule must be 'leader_first' or 'followers_first', got {schedule!r}")
+    sums, counts = [], []
+    for c in range(x.numel() // (cluster * n_per_block)):
+        slots = [torch.tensor(float("nan"), dtype=torch.float64) for _ in range(cluster)]
+        counter, bar, out = [0], _TxBarrier(), []
+        actors = {f"push{r}": _pusher(r, x, n_per_block, c * cluster, slots, counter, bar) for r in range(cluster)}
+        actors["collect"] = _collector(cluster, slots, counter, bar, 8 * cluster if expect_bytes is None else expect_bytes, out)
+        followers = [f"push{r}" for r in range(1, cluster)]
+        order = ["push0", "collect", *followers] if schedule == "leader_first" else [*followers, "push0", "collect"]
+        while actors:
+            for name in [a for a in order if a in actors]:
+                if name == "collect" and "push0" in actors:
+                    continue                                # rank 0's thread pushes before it collects
+                try:
+                    step = next(actors[name])
+                except StopIteration:
+                    del actors[name]
+                    break
+                if step != "wait":
+                    break
+            else:
+                raise RuntimeError("deadlock: rank 0 waits for bytes no block will send")
+        sums.append(out[0][0])
+        counts.append(out[0][1])
+    return torch.stack(sums), torch.tensor(counts)
