@@ -100,3 +100,121 @@ def test_gpu_cluster_sum(clusters):
     mod.launch("cluster_sum", clusters * 4, 256, x, out, n, 0)
     assert_close(out.cpu(), CL.cluster_sum_ref(x.cpu(), 4, n), dtype=torch.float32,
                  baseline=x.cpu().reshape(clusters, -1).sum(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels/cuda/cluster_multicast.cu: a multicast ring released by remote arrives, and st.async /
+# red.async pushes into a peer's shared memory
+
+
+@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("schedule", ["leader_first", "followers_first"])
+def test_multicast_ring_is_exact_when_every_block_releases(cluster, stages, schedule):
+    x = ints(7 * 33, cluster + stages).reshape(7, 33)                    # 7 tiles: several rounds of every slot
+    scale = torch.arange(1.0, cluster + 1)
+    assert torch.equal(CL.multicast_sums(x, scale, stages=stages, schedule=schedule), CL.multicast_sums_ref(x, scale))
+
+
+@pytest.mark.parametrize("schedule", ["leader_first", "followers_first"])
+def test_multicast_ring_with_too_few_releases_overwrites_a_slot_a_peer_still_needs(schedule):
+    x = ints(7 * 33, 5).reshape(7, 33)
+    scale = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for count in (1, 3):                 # rank 0's own release only; or every block but one
+        got = CL.multicast_sums(x, scale, stages=2, empty_count=count, schedule=schedule)
+        assert not torch.equal(got, CL.multicast_sums_ref(x, scale))
+
+
+def test_multicast_bad_inputs():
+    with pytest.raises(ValueError, match="n_tiles, tile"):
+        CL.multicast_sums(torch.zeros(8), torch.ones(2))
+    with pytest.raises(ValueError, match="stages"):
+        CL.multicast_sums(torch.zeros(2, 4), torch.ones(2), stages=0)
+    with pytest.raises(ValueError, match="schedule must be"):
+        CL.multicast_sums(torch.zeros(2, 4), torch.ones(2), schedule="random")
+
+
+@pytest.fixture(scope="module")
+def multicast_builds():
+    return {arch: ki.compile_cuda("cluster_multicast", arch=arch) for arch in ("sm90", "sm100", "sm120")}
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100", "sm120"])
+def test_multicast_and_remote_arrive_sass(multicast_builds, arch):
+    b = multicast_builds[arch]
+    ptx = b.ptx
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster" in ptx
+    assert "mbarrier.arrive.release.cluster.shared::cluster.b64" in ptx
+    ops = S.opcodes(b.sass, "cluster_multicast_sums")
+    assert ops["SYNCS.ARRIVE.TRANS64.RED.A1T0"] == 1                     # the arrive on rank 0's empty[s]
+    if arch == "sm120":                  # no multicast instruction: ptxas emits a call in its place
+        assert ops["UBLKCP.S.G.MULTICAST"] == 0 and ops["CALL.ABS.NOINC"] == 1
+    else:
+        assert ops["UBLKCP.S.G.MULTICAST"] == 1 and ops["CALL.ABS.NOINC"] == 0
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100", "sm120"])
+def test_st_async_and_red_async_sass(multicast_builds, arch):
+    ops = S.opcodes(multicast_builds[arch].sass, "cluster_sum_push")
+    assert ops["STAS"] == 1 and ops["REDAS.ADD"] == 1                    # st.async, red.async.add
+    assert ops["UCGABAR_ARV"] == 1 and ops["UCGABAR_WAIT"] == 1          # one cluster barrier (after init), not two
+    assert ops["LD.E"] == 0                                              # no DSM read: the data was pushed
+
+
+@GPU
+@pytest.mark.parametrize("n_tiles", [1, 2, 7])
+def test_gpu_cluster_multicast_sums(n_tiles):
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("cluster_multicast")
+    blocks, tile = 6, 1024                                               # 3 clusters of 2
+    x = torch.randn(n_tiles, tile, device="cuda")
+    scale = torch.randn(blocks, device="cuda")
+    out = torch.empty(blocks, n_tiles, device="cuda")
+    mod.launch("cluster_multicast_sums", blocks, 128, x, scale, out, n_tiles)
+    want = CL.multicast_sums_ref(x.cpu(), scale.cpu())
+    assert_close(out.cpu(), want, dtype=torch.float32, baseline=scale.cpu()[:, None] * x.cpu().sum(1)[None, :])
+
+
+@GPU
+def test_gpu_cluster_sum_push():
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("cluster_multicast")
+    clusters, n = 5, 1000
+    x = torch.randn(clusters * 2 * n, device="cuda")
+    out = torch.empty(clusters, device="cuda")
+    count = torch.zeros(clusters, dtype=torch.int32, device="cuda")
+    mod.launch("cluster_sum_push", clusters * 2, 128, x, out, count, n)
+    assert_close(out.cpu(), CL.cluster_sum_ref(x.cpu(), 2, n), dtype=torch.float32,
+                 baseline=x.cpu().reshape(clusters, -1).sum(1))
+    assert torch.equal(count.cpu(), (x.cpu().reshape(clusters, -1) > 0).sum(1).int())
+
+
+@pytest.mark.parametrize("cluster, n_per_block, clusters", [(1, 7, 2), (2, 64, 3), (4, 33, 2), (16, 3, 1)])
+@pytest.mark.parametrize("schedule", ["leader_first", "followers_first"])
+def test_push_sum_is_exact_under_both_schedules(cluster, n_per_block, clusters, schedule):
+    x = ints(cluster * n_per_block * clusters, cluster * 7 + n_per_block)
+    sums, counts = CL.push_sum(x, cluster, n_per_block, schedule=schedule)
+    want_sums, want_counts = CL.push_sum_ref(x, cluster, n_per_block)
+    assert torch.equal(sums, want_sums) and torch.equal(counts, want_counts)
+
+
+def test_push_sum_expecting_too_few_bytes_reads_early_or_hangs():
+    x = ints(4 * 33, 9)
+    want_sums, want_counts = CL.push_sum_ref(x, 4, 33)
+    sums, counts = CL.push_sum(x, 4, 33, expect_bytes=24)              # one block's 8 bytes short
+    assert torch.isnan(sums).all()                                      # a slot read before its st.async landed
+    sums, counts = CL.push_sum(x, 4, 33, expect_bytes=28)              # the last red.async not waited for
+    assert torch.equal(sums, want_sums) and not torch.equal(counts, want_counts)
+    with pytest.raises(RuntimeError, match="deadlock"):                 # bytes already landed: tx never returns to 0
+        CL.push_sum(x, 4, 33, expect_bytes=24, schedule="followers_first")
+    with pytest.raises(RuntimeError, match="deadlock"):                 # more bytes than anyone sends
+        CL.push_sum(x, 4, 33, expect_bytes=40)
+
+
+def test_push_sum_bad_inputs():
+    with pytest.raises(ValueError, match="multiple of cluster"):
+        CL.push_sum(torch.zeros(10), 4, 2)
+    with pytest.raises(ValueError, match="schedule must be"):
+        CL.push_sum(torch.zeros(8), 4, 2, schedule="random")

@@ -236,6 +236,57 @@ def test_a_too_weak_wait_is_caught_by_the_lazy_schedule_and_hidden_by_the_eager_
     assert_close(ca.pipelined_tile_sums(x, 3, wait=2, eager=True), ca.tile_sums_ref(x), dtype=torch.float32)
 
 
+def test_src_size_zero_fills_the_tail_and_reads_nothing_past_it():
+    unit = ca.AsyncCopyUnit()
+    dst = torch.full((4,), float("nan"))
+    unit.cp_async(dst, torch.tensor([1.0, 2.0, 3.0, float("nan")]), src_bytes=12)
+    unit.wait_all()
+    assert torch.equal(dst, torch.tensor([1.0, 2.0, 3.0, 0.0]))
+    with pytest.raises(ValueError, match="src_bytes"):
+        unit.cp_async(dst, torch.zeros(4), src_bytes=6)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    n = 2 * 64 + 37                                   # a tail inside tile 2; tiles 3 and 4 entirely past n
+    x.view(-1)[n:] = float("nan")                     # canaries: any byte read past n poisons a sum
+    for stages in (2, 3):
+        assert_close(ca.pipelined_tile_sums(x, stages, n=n), ca.tile_sums_ref(x, n), dtype=torch.float32)
+    # the unmasked copy (no src-size) is the broken variant: it reads the canaries
+    with pytest.raises(MismatchError):
+        assert_close(ca.pipelined_tile_sums(x, 3), ca.tile_sums_ref(x, n), dtype=torch.float32)
+    with pytest.raises(ValueError, match="n must be"):
+        ca.pipelined_tile_sums(x, 3, n=x.numel() + 1)
+
+
+def test_mbarrier_arrive_tracks_every_earlier_copy_committed_or_not():
+    unit = ca.AsyncCopyUnit()
+    dst = torch.zeros(3, 4)
+    src = torch.arange(12.0).reshape(3, 4)
+    unit.cp_async(dst[0], src[0])
+    unit.commit_group()
+    unit.cp_async(dst[1], src[1])                          # not committed: tracked all the same
+    bar = ca.Mbarrier(1)
+    unit.mbarrier_arrive_noinc(bar)
+    unit.cp_async(dst[2], src[2])                          # issued after the arrive: not tracked
+    assert not bar.done(0) and dst.abs().sum() == 0       # lazy: nothing has landed, no arrival yet
+    bar.wait(0)
+    assert torch.equal(dst[:2], src[:2]) and dst[2].abs().sum() == 0 and bar.done(0)
+    with pytest.raises(RuntimeError, match="would never return"):
+        bar.wait(1)                                        # the next phase has no arrival coming
+    with pytest.raises(ValueError, match="count >= 1"):
+        ca.Mbarrier(0)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_mbarrier_pipeline_and_its_broken_variant(stages):
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(stages))
+    for eager in (False, True):
+        assert_close(ca.mbarrier_tile_sums(x, stages, eager=eager), ca.tile_sums_ref(x), dtype=torch.float32)
+    # arriving before the copy is issued: the lazy schedule reads a slot whose tile has not landed
+    with pytest.raises(MismatchError):
+        assert_close(ca.mbarrier_tile_sums(x, stages, arrive_first=True), ca.tile_sums_ref(x), dtype=torch.float32)
+    assert_close(ca.mbarrier_tile_sums(x, stages, arrive_first=True, eager=True), ca.tile_sums_ref(x),
+                 dtype=torch.float32)
+
+
 def test_group_semantics():
     unit = ca.AsyncCopyUnit()
     src = torch.arange(12.0).reshape(3, 4)
@@ -298,13 +349,36 @@ def cuda_builds():
 def test_cp_async_sass(cuda_builds, arch):
     b = cuda_builds[("cp_async", arch)]
     ptx = ki.families(b.ptx, "ptx")
-    assert ptx["cp.async"] >= 2 and ptx["cp.async.commit_group"] >= 2 and ptx["cp.async.wait_group"] >= 2
-    ops = ki.instructions(b.sass, "sass")
-    assert ops["LDGSTS.E.BYPASS.128"] >= 2          # .cg 16-byte copies bypass L1
+    assert ptx["cp.async.commit_group"] >= 2 and ptx["cp.async.wait_group"] >= 2
+    assert b.ptx.count("cp.async.cg.shared.global.L2::128B") >= 2       # with a src-size operand, in every kernel
+    ops = S.opcodes(b.sass, "cp_async_tile_sums")
+    # .cg 16-byte copies bypass L1; .L2::128B is LTC128B; a src-size operand is the ZFILL form
+    assert ops["LDGSTS.E.BYPASS.LTC128B.128.ZFILL"] >= 2
     assert ops["LDGDEPBAR"] >= 2                    # commit_group
     assert ops["DEPBAR.LE"] >= 2                    # wait_group N: wait until <= N outstanding
-    sass = "\n".join(line for line in b.sass.splitlines() if "DEPBAR.LE" in line)
+    fn = S.split_functions(b.sass)["cp_async_tile_sums"]
+    sass = "\n".join(line for line in fn.splitlines() if "DEPBAR.LE" in line)
     assert "SB0, 0x1" in sass and "SB0, 0x0" in sass  # wait_group 1 (STAGES-2) and wait_group 0
+    assert ca.staged_registers(fn) == set() and not any(op.startswith("LDG.") for op in ops)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_register_staged_copy_passes_through_registers(cuda_builds, arch):
+    b = cuda_builds[("cp_async", arch)]
+    ops = S.opcodes(b.sass, "staged_tile_sums")
+    assert ops["LDG.E.128.CONSTANT"] >= 2 and ops["STS.128"] >= 2 and not any(op.startswith("LDGSTS") for op in ops)
+    # the register an LDG.128 fills is the one an STS.128 stores: the bytes go through the register file
+    assert ca.staged_registers(S.split_functions(b.sass)["staged_tile_sums"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cp_async_mbarrier_arrive_replaces_the_groups(cuda_builds, arch):
+    b = cuda_builds[("cp_async", arch)]
+    ops = S.opcodes(b.sass, "cp_async_mbarrier_tile_sums")
+    arrive = [op for op in ops if op.startswith("ARRIVES.LDGSTSBAR.64")]
+    assert arrive and ops["LDGSTS.E.BYPASS.LTC128B.128"] >= 2
+    assert ops["LDGDEPBAR"] == 0 and ops["DEPBAR.LE"] == 0      # no commit groups, no group waits
+    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in b.ptx
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -401,19 +475,39 @@ def test_gpu_ldmatrix_matches_the_emulation(num, trans):
 
 
 @GPU
+@pytest.mark.parametrize("n_tiles, tail", [(1, 0), (2, 300), (9, 1), (9, 511)])
+def test_gpu_cp_async_tile_sums(n_tiles, tail):
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("cp_async")
+    blocks, tile = 5, 512
+    n = n_tiles * tile - tail                      # elements read per block; the rest are NaN canaries
+    x = torch.randn(blocks, n_tiles, tile, device="cuda")
+    x.view(blocks, -1)[:, n:] = float("nan")
+    out = torch.empty(blocks, n_tiles, device="cuda")
+    mod.launch("cp_async_tile_sums", blocks, 128, x, out, n_tiles, n)
+    rows = x.cpu().reshape(blocks, -1).clone()
+    rows[:, n:] = 0.0
+    tiles = rows.reshape(-1, tile)
+    assert_close(out.cpu().reshape(-1), tiles.double().sum(1), dtype=torch.float32, baseline=ca.tile_sums_ref(tiles))
+    for b in range(blocks):
+        assert_close(ca.pipelined_tile_sums(x.cpu()[b], 3, n=n), tiles[b * n_tiles:(b + 1) * n_tiles].double().sum(1),
+                     dtype=torch.float32, baseline=ca.tile_sums_ref(x.cpu()[b], n))
+
+
+@GPU
+@pytest.mark.parametrize("kernel", ["staged_tile_sums", "cp_async_mbarrier_tile_sums"])
 @pytest.mark.parametrize("n_tiles", [1, 2, 9])
-def test_gpu_cp_async_tile_sums(n_tiles):
+def test_gpu_cp_async_variants(kernel, n_tiles):
     from kernels import cuda_launch
 
     mod = cuda_launch.load("cp_async")
     blocks, tile = 5, 512
     x = torch.randn(blocks, n_tiles, tile, device="cuda")
     out = torch.empty(blocks, n_tiles, device="cuda")
-    mod.launch("cp_async_tile_sums", blocks, 128, x, out, n_tiles)
+    mod.launch(kernel, blocks, 128, x, out, n_tiles)
     tiles = x.cpu().reshape(-1, tile)
     assert_close(out.cpu().reshape(-1), tiles.double().sum(1), dtype=torch.float32, baseline=ca.tile_sums_ref(tiles))
-    assert_close(ca.pipelined_tile_sums(tiles, 3), tiles.double().sum(1), dtype=torch.float32,
-                 baseline=ca.tile_sums_ref(tiles))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """kernels/gpu/warp_specialize.py and kernels/cuda/warp_specialize.cu: the warp-specialised Triton
 matmul (interpreter result, AOT split with setmaxnreg on sm90), the register-split rules, the
 timeline model, the CUDA kernel's SASS, and on a GPU the kernel against the reference."""
+import re
+
 import pytest
 import torch
 
@@ -21,10 +23,6 @@ def GPU(fn):
 
 def halves(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).half()
-
-
-SIG = {"a_desc": "tensordesc<fp16[64, 64]>", "b_desc": "tensordesc<fp16[64, 128]>", "c_ptr": "*fp32",
-       "M": "i32", "N": "i32", "K": "i32"}
 
 
 @pytest.mark.parametrize("shape", [(100, 200, 136), (64, 64, 128), (7, 24, 8), (130, 72, 264)])
@@ -58,10 +56,22 @@ def test_ws_matmul_bad_inputs():
         WS.ws_matmul(torch.zeros(8, 12).half(), torch.zeros(12, 8).half())
 
 
-def test_aot_sm90_splits_registers_with_setmaxnreg():
-    jobs = [ki.TritonJob(WS._ws_matmul_kernel, SIG, constexprs=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, STAGES=3,
-                                                                     SPECIALIZE=s), num_warps=4) for s in (True, False)]
-    ws, plain = [r["sm90"] for r in ki.compile_triton_many(jobs, archs=("sm90",))]
+@pytest.fixture(scope="module")
+def ws_builds():
+    """The launch's AOT builds (WS.compile_jobs: 128- and 64-row tiles, specialised and plain) for
+    sm90, and the specialised 128-row launch for sm100: two compile calls, both cached on disk."""
+    jobs = WS.compile_jobs()
+    builds = {label: r["sm90"] for label, r in zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm90",)))}
+    builds["sm100"] = ki.compile_triton_many([jobs["128x128x64 warp-specialized"]], archs=("sm100",))[0]["sm100"]
+    return builds
+
+
+def hgmma(build):
+    return sum(n for op, n in ki.instructions(build.sass, "sass").items() if op.startswith("HGMMA"))
+
+
+def test_aot_sm90_splits_registers_with_setmaxnreg(ws_builds):
+    ws, plain = ws_builds["128x128x64 warp-specialized"], ws_builds["128x128x64 plain loop"]
     assert ws.metadata["num_warps"] == 12 and plain.metadata["num_warps"] == 4   # producer + 2 consumer partitions
     assert ws.spills == 0 and plain.spills == 0
     ptx = {ln.split()[-1].rstrip(";") for ln in ws.ptx.splitlines() if "setmaxnreg.dec" in ln}
@@ -72,6 +82,46 @@ def test_aot_sm90_splits_registers_with_setmaxnreg():
     assert ki.instructions(plain.sass, "sass")["USETMAXREG.DEALLOC.CTAPOOL"] == 0
     regs = ws.metadata["registers"]
     assert 384 * regs == 128 * 40 + 256 * 232 == 64512                # the split conserves the pool
+    # the idle and outside-the-region budgets: workers wait at 120, the default group holds 256
+    assert 128 * 256 + 256 * 120 <= 384 * regs
+
+
+def test_128_row_tile_is_split_between_the_consumers(ws_builds):
+    """Each consumer's wgmma covers 64 of the 128 rows, from its own A buffer (the producer loads the
+    two halves); both read the one B tile; the tensor-core work equals the plain build's."""
+    ws, plain = ws_builds["128x128x64 warp-specialized"], ws_builds["128x128x64 plain loop"]
+    dots = WS.consumer_dots(ws.ttgir)
+    assert [(d.m, d.n, d.k) for d in dots] == [(64, 128, 64)] * 2
+    assert dots[0].a_buffer != dots[1].a_buffer and dots[0].b_buffer == dots[1].b_buffer
+    listing = WS.partition_listing(ws.ttgir)
+    assert "default: TMA load  a[pid_m*128, k*64] -> " + dots[0].a_buffer in listing
+    assert "default: TMA load  a[pid_m*128 + 64, k*64] -> " + dots[1].a_buffer in listing
+    assert "partition1: TMA store c[pid_m*128 + 64, pid_n*128]" in listing
+    assert hgmma(ws) == hgmma(plain) == 8
+
+
+def test_64_row_tile_replicates_the_consumer(ws_builds):
+    """The check above catches a build that does not divide the tile: at 64 rows Triton 3.7.1 gives
+    both consumers the same A buffer and the same output rows, and the SASS has twice the plain HGMMA."""
+    ws, plain = ws_builds["64x128x64 warp-specialized"], ws_builds["64x128x64 plain loop"]
+    dots = WS.consumer_dots(ws.ttgir)
+    assert len(dots) == 2 and dots[0].a_buffer == dots[1].a_buffer and dots[0].m == 64
+    assert hgmma(ws) == 2 * hgmma(plain) == 8
+    stores = [ln.split(": ", 1)[1] for ln in WS.partition_listing(ws.ttgir) if "TMA store" in ln]
+    assert stores == ["TMA store c[pid_m*64, pid_n*128]"] * 2
+
+
+def test_sm100_split_is_a_load_warp_an_mma_warp_and_the_epilogue(ws_builds):
+    """Blackwell: the accumulator lives in TMEM, one MMA warp issues tcgen05.mma, a load warp issues
+    TMA, and the kernel's own 4 warps read TMEM in the epilogue after the region."""
+    from kernels.gemm.schedules import partition_roles, setmaxnreg
+
+    b = ws_builds["sm100"]
+    assert partition_roles(b.ttgir) == ["other", "mma", "load"]
+    assert re.search(r"partition0\(.*num_warps\(1\)", b.ttgir) and re.search(r"partition1\(.*num_warps\(2\)", b.ttgir)
+    assert b.metadata["num_warps"] == 8 and b.metadata["tmem_columns"] >= 128 and b.spills == 0
+    assert ("dec", 24) in setmaxnreg(b.ptx) and b.tensor_core == "UTCHMMA"
+    assert "ttng.tmem_load" in b.ttgir.split("ttg.warp_specialize(")[1].split("} : (")[1]   # after the region
 
 
 def test_register_split_rules():

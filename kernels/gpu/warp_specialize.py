@@ -7,6 +7,8 @@ Three pieces:
   descriptors) and consumer partitions (the MMAs), hands registers between them with
   ``setmaxnreg``, and synchronises them with mbarriers. On a CPU the interpreter runs the loop
   as written (``warp_specialize`` has no effect there), so the result is checked, not the split.
+  :func:`consumer_dots` reads the split from the compiled TTGIR: whether the consumers divide the
+  tile (128 rows: 64 each) or replicate it (64 rows: each computes the whole tile).
 * :func:`register_split`: the register budget of a specialised block, with the PTX ISA's rules for
   ``setmaxnreg`` (``nvidia2025ptx``, "setmaxnreg": a count from 24 to 256, a multiple of 8, set
   per warpgroup) and the SM's register file (``kernels.gpu.hardware``).
@@ -15,31 +17,38 @@ Three pieces:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import runtime
 from kernels.gpu import hardware
 
 SETMAXNREG_RANGE = (24, 256)      # PTX ISA, setmaxnreg: imm-reg-count in 24..256, a multiple of 8
 
 
 @triton.jit
-def _ws_matmul_kernel(a_desc, b_desc, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPECIALIZE: tl.constexpr):
+def _ws_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPECIALIZE: tl.constexpr,
+                      PADDING: tl.constexpr):
+    # Device-side descriptors: the compiler, not the host, chooses each TMA box, so it may cut the
+    # (BLOCK_M, BLOCK_K) A tile into one box per consumer warp group (a host descriptor fixes the box).
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K],
+                                       padding_option=PADDING)
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N],
+                                       padding_option=PADDING)
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_c, 1], block_shape=[BLOCK_M, BLOCK_N])
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES, warp_specialize=SPECIALIZE):
-        a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])            # (BLOCK_M, BLOCK_K), zero-filled past M, K
-        b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])            # (BLOCK_K, BLOCK_N), zero-filled past K, N
+        a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])            # (BLOCK_M, BLOCK_K), filled past M, K
+        b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])            # (BLOCK_K, BLOCK_N), filled past K, N
         acc = tl.dot(a, b, acc)                                    # acc += a @ b
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)    # int64: rows * N may pass 2**31
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
+    c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc)          # TMA store: rows >= M, cols >= N are dropped
 
 
 def ws_matmul_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -47,42 +56,47 @@ def ws_matmul_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def ws_matmul(a: torch.Tensor, b: torch.Tensor, *, block=(64, 128, 64), stages: int = 3,
+def ws_matmul(a: torch.Tensor, b: torch.Tensor, *, block=(128, 128, 64), stages: int = 3,
               specialize: bool = True, padding: str = "zero") -> torch.Tensor:
     """C (M x N, fp32) = A (M x K fp16) B (K x N fp16) through tensor descriptors, one program per
-    output tile, the K loop warp-specialised on sm90+. ``padding`` is the descriptors' fill past the
-    edges; only "zero" is correct when K is not a multiple of the block (the test of a broken variant)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    output tile, the K loop warp-specialised on sm90+. The default 128-row tile is the one Triton
+    3.7 splits between two consumer warp groups (64 rows each); at 64 rows it replicates the
+    consumer (:func:`consumer_dots`). ``padding`` is the descriptors' fill past the edges; only
+    "zero" is correct when K is not a multiple of the block (the test of a broken variant)."""
     for name, t in (("a", a), ("b", b)):
         if t.dim() != 2 or t.dtype != torch.float16:
             raise ValueError(f"{name} must be a 2-D float16 tensor, got {t.dtype} with shape {tuple(t.shape)}")
-        if t.stride(1) != 1 or (t.stride(0) * 2) % 16:
-            raise ValueError(f"{name}: rows must be contiguous and their stride a multiple of 16 bytes (a tensor map rule)")
+        if t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{name}: rows must be contiguous, their stride a multiple of 16 bytes and the start "
+                             "16-byte aligned (tensor map rules)")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: inner dimensions differ")
+    if padding not in ("zero", "nan"):
+        raise ValueError(f"padding must be 'zero' or 'nan', got {padding!r}")
     c = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    triton.set_allocator(_alloc)
     grid, args, kwargs = _launch_args(a, b, c, block=block, stages=stages, specialize=specialize, padding=padding)
     _ws_matmul_kernel[grid](*args, **kwargs)
     return c
 
 
-def _launch_args(a, b, c, *, block=(64, 128, 64), stages: int = 3, specialize: bool = True, padding: str = "zero"):
-    """(grid, args, kwargs) of one launch of :func:`_ws_matmul_kernel` (host tensor descriptors over
-    a and b), shared by :func:`ws_matmul` and :func:`compile_jobs` so the AOT build is the launch."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+def _alloc(size: int, alignment: int, stream):
+    """Global scratch for the device-side tensor descriptors (Triton asks the host for it)."""
+    return torch.empty(size, dtype=torch.int8, device=runtime.device())
 
+
+def _launch_args(a, b, c, *, block=(128, 128, 64), stages: int = 3, specialize: bool = True, padding: str = "zero"):
+    """(grid, args, kwargs) of one launch of :func:`_ws_matmul_kernel`, shared by :func:`ws_matmul`
+    and :func:`launch_job` so the AOT build is the launch."""
     bm, bn, bk = block
     M, K = a.shape
     N = b.shape[1]
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk], padding=padding)
-    b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn], padding=padding)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    return grid, (a_desc, b_desc, c, M, N, K), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-                                                    SPECIALIZE=specialize, num_warps=4)
+    return grid, (a, b, c, M, N, K, a.stride(0), b.stride(0), c.stride(0)), dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPECIALIZE=specialize, PADDING=padding, num_warps=4)
 
 
-def launch_job(M: int, K: int, N: int, *, specialize: bool = True, block=(64, 128, 64), stages: int = 3):
+def launch_job(M: int, K: int, N: int, *, specialize: bool = True, block=(128, 128, 64), stages: int = 3):
     """The AOT job of :func:`ws_matmul` at (M, K) @ (K, N) on meta tensors."""
     from kernels import inspect as ki
 
@@ -95,9 +109,136 @@ def launch_job(M: int, K: int, N: int, *, specialize: bool = True, block=(64, 12
 
 def compile_jobs() -> dict:
     """Llama-3-8B's gate/up projection at a 4096-token prefill (4096 x 4096 -> 14336), warp-specialized
-    and plain (the same loop without ``warp_specialize``)."""
-    return {"Llama-3-8B up proj, 4096 tokens: warp-specialized, 64x128x64": launch_job(4096, 4096, 14336),
-            "Llama-3-8B up proj, 4096 tokens: plain loop, 64x128x64": launch_job(4096, 4096, 14336, specialize=False)}
+    and plain (the same loop without ``warp_specialize``), at the 128-row launch tile and at 64 rows."""
+    jobs = {}
+    for bm in (128, 64):
+        for spec in (True, False):
+            kind = "warp-specialized" if spec else "plain loop"
+            jobs[f"{bm}x128x64 {kind}"] = launch_job(4096, 4096, 14336, specialize=spec, block=(bm, 128, 64))
+    return jobs
+
+
+@dataclass(frozen=True)
+class ConsumerDot:
+    """One consumer partition's MMA, read from an sm90 TTGIR: its ``warp_group_dot`` (wgmma) shape
+    (m x k times k x n) and the shared-memory buffers (the kernel-level SSA names
+    that ``ttg.warp_specialize`` hands the partition) its A and B operands are read from."""
+    partition: str
+    m: int
+    n: int
+    k: int
+    a_buffer: str
+    b_buffer: str
+
+
+_DOT = re.compile(r"= ttng\.warp_group_dot (%[\w.]+), (%[\w.]+),.*?!ttg\.memdesc<(\d+)x(\d+)x[^>]*>"
+                  r" \* !ttg\.memdesc<(\d+)x(\d+)x[^>]*> -> tensor<(\d+)x(\d+)x")
+
+
+def warp_regions(ttgir: str) -> dict[str, list[str]]:
+    """The lines of each region of the ``ttg.warp_specialize`` in a TTGIR listing, by name
+    ("default", "partition0", ...), each partition's header line first; plus "operands": the
+    kernel-level values the op hands its partitions, in order. Empty when there is no region."""
+    lines = ttgir.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "ttg.warp_specialize(" in ln), None)
+    if start is None:
+        return {}
+    head = lines[start]
+    regions = {"operands": re.findall(r"%[\w.]+", head[head.index("(") + 1:head.index(")")])}
+    current = None
+    for ln in lines[start + 1:]:
+        name = re.match(r"\s*(default) \{|\s*(partition\d+)\(", ln)
+        if name:
+            current = name.group(1) or name.group(2)
+            regions[current] = [ln]
+        elif re.match(r"\s*\} : \(", ln):
+            break
+        elif current:
+            regions[current].append(ln)
+    return regions
+
+
+def consumer_dots(ttgir: str) -> list[ConsumerDot]:
+    """The wgmma of every partition that issues one, with the buffers it reads (see :class:`ConsumerDot`).
+    Two consumers whose ``a_buffer`` is the same read the same rows of A: they compute the same
+    output rows (replication). A split tile gives them different A buffers of BLOCK_M / 2 rows."""
+    regions = warp_regions(ttgir)
+    out = []
+    for name, body in regions.items():
+        if not name.startswith("partition"):
+            continue
+        params = re.findall(r"(%[\w.]+): ", body[0])              # the partition's block arguments, in order
+        defs = {m.group(1): m.group(2) for m in
+                (re.search(r"(%[\w.]+) = ttg\.memdesc_index (%[\w.]+)\[", ln) for ln in body) if m}
+
+        def buffer(value: str) -> str:
+            arg = defs.get(value, value)                           # the ring slot -> the whole ring
+            return regions["operands"][params.index(arg)] if arg in params else arg
+
+        for ln in body:
+            m = _DOT.search(ln)
+            if m:
+                a, b, am, ak, bk, bn, cm, cn = m.groups()
+                out.append(ConsumerDot(name, int(cm), int(cn), int(ak), buffer(a), buffer(b)))
+    return out
+
+
+_COPY = re.compile(r"ttng\.async_tma_copy_(global_to_local|local_to_global) (%[\w.]+)\[(%[\w.]+), (%[\w.]+)\] (%[\w.]+)")
+
+
+def partition_listing(ttgir: str) -> list[str]:
+    """What each region of the ``ttg.warp_specialize`` does, one line per TMA copy and wgmma, read
+    from the TTGIR: a copy's coordinates written out in terms of ``pid_m``, ``pid_n`` and the loop
+    counter ``k`` (from the region's own arithmetic), each ring slot named by its ring (the
+    kernel-level buffer, as in :func:`consumer_dots`)."""
+    regions = warp_regions(ttgir)
+    dots = {(d.partition, d.m): d for d in consumer_dots(ttgir)}
+    out = []
+    for name, body in regions.items():
+        if name == "operands":
+            continue
+        params = re.findall(r"(%[\w.]+): ", body[0]) if name.startswith("partition") else []
+        defs = {}
+        for ln in body:
+            m = re.match(r"\s*(%[\w.]+)(?::\d+)? = ([\w.]+) (.*)", ln)
+            if m:
+                defs[m.group(1)] = (m.group(2), m.group(3))
+            loop = re.search(r"scf\.for (%[\w.]+) = ", ln)
+            if loop:
+                defs[loop.group(1)] = ("loop", "k")
+
+        def expr(v: str) -> str:
+            const = re.fullmatch(r"%c(\d+)_i\d+(?:_\d+)?", v)
+            if const:
+                return const.group(1)
+            op, rest = defs.get(v, (None, ""))
+            if op == "loop":
+                return "k"
+            if op == "tt.get_program_id":
+                return "pid_m" if rest.startswith("x") else "pid_n"
+            if op in ("arith.muli", "arith.addi"):
+                x, y = re.findall(r"%[\w.]+", rest)[:2]
+                return f"{expr(x)}{'*' if op == 'arith.muli' else ' + '}{expr(y)}"
+            return v
+
+        def ring(v: str) -> str:
+            op, rest = defs.get(v, (None, ""))
+            base = re.match(r"(%[\w.]+)\[", rest).group(1) if op == "ttg.memdesc_index" else v
+            return regions["operands"][params.index(base)] if base in params else base
+
+        for ln in body:
+            c = _COPY.search(ln)
+            if c:
+                kind, desc, r, col, buf = c.groups()
+                desc = desc.lstrip("%").split("_desc")[0]
+                if kind == "global_to_local":
+                    out.append(f"{name}: TMA load  {desc}[{expr(r)}, {expr(col)}] -> {ring(buf)}")
+                else:
+                    out.append(f"{name}: TMA store {desc}[{expr(r)}, {expr(col)}]")
+            if "ttng.warp_group_dot " in ln:
+                d = next(d for (p, _), d in dots.items() if p == name)
+                out.append(f"{name}: wgmma {d.m}x{d.k} (A from {d.a_buffer}) * {d.k}x{d.n} (B from {d.b_buffer}) -> {d.m}x{d.n}")
+    return out
 
 
 @dataclass(frozen=True)

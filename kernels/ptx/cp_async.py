@@ -23,10 +23,55 @@ latencies are inputs the caller chooses and labels.
 """
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+
+class _Copy:
+    """One issued cp.async: its destination and the bytes it will write; lands at most once."""
+
+    def __init__(self, dst: torch.Tensor, data: torch.Tensor):
+        self.dst, self.data, self.landed = dst, data, False
+
+    def land(self) -> None:
+        if not self.landed:
+            self.dst.copy_(self.data)
+            self.landed = True
+
+
+class Mbarrier:
+    """An mbarrier as one thread sees it: ``count`` arrivals complete a phase; ``phases`` counts
+    the completed ones. ``wait(parity)`` is mbarrier.test_wait.parity in a loop: it returns once
+    the phase with that parity has completed (the current phase's parity differs from it)."""
+
+    def __init__(self, count: int):
+        if count < 1:
+            raise ValueError(f"an mbarrier needs count >= 1, got {count}")
+        self.count, self.pending, self.phases = count, count, 0
+        self.tracked: list[tuple[list, AsyncCopyUnit]] = []   # arrivals waiting for their copies
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def done(self, parity: int) -> bool:
+        return self.phases % 2 != parity
+
+    def wait(self, parity: int) -> None:
+        """Land the copies the barrier's pending arrivals track (lazily, as late as the ISA allows),
+        make those arrivals, then require the phase: one thread cannot be woken by anyone else."""
+        while not self.done(parity) and self.tracked:
+            copies, _ = self.tracked.pop(0)
+            for c in copies:
+                c.land()
+            self.arrive()
+        if not self.done(parity):
+            raise RuntimeError(f"mbarrier wait on parity {parity} would never return: "
+                               f"{self.pending} of {self.count} arrivals missing")
 
 
 class AsyncCopyUnit:
@@ -34,23 +79,33 @@ class AsyncCopyUnit:
 
     def __init__(self, *, eager: bool = False):
         self.eager = eager
-        self.uncommitted: list = []
-        self.groups: deque[list] = deque()
+        self.uncommitted: list[_Copy] = []
+        self.groups: deque[list[_Copy]] = deque()
         self.log: list[str] = []
 
-    def cp_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Start copying ``src`` (global) into ``dst`` (a view of shared memory)."""
+    def cp_async(self, dst: torch.Tensor, src: torch.Tensor, src_bytes: int | None = None) -> None:
+        """Start copying ``src`` (global) into ``dst`` (a view of shared memory). ``src_bytes``
+        is PTX's src-size operand: only the first ``src_bytes`` bytes are read from ``src`` and the
+        rest of ``dst`` is zero-filled (0 reads nothing), how a kernel masks a tile's tail."""
         if dst.shape != src.shape:
             raise ValueError(f"cp_async: dst shape {tuple(dst.shape)} differs from src shape {tuple(src.shape)}")
         nbytes = src.numel() * src.element_size()
         if nbytes not in (4, 8, 16) and nbytes % 16:
             raise ValueError(f"cp_async copies 4, 8 or 16 bytes per instruction (or 16-byte multiples here), got {nbytes}")
-        op = (dst, src.clone())  # the source is read at issue in this model
-        if self.eager:
-            dst.copy_(op[1])
+        if src_bytes is None:
+            landed = src.clone()                     # the source is read at issue in this model
         else:
-            self.uncommitted.append(op)
-        self.log.append(f"cp.async {nbytes} B")
+            if not 0 <= src_bytes <= nbytes or src_bytes % src.element_size():
+                raise ValueError(f"cp_async: src_bytes must be a multiple of {src.element_size()} in 0..{nbytes}, got {src_bytes}")
+            keep = src_bytes // src.element_size()
+            landed = torch.zeros_like(src).flatten()
+            landed[:keep] = src.flatten()[:keep]     # bytes past src_bytes are never read
+            landed = landed.view_as(src)
+        copy = _Copy(dst, landed)
+        if self.eager:
+            copy.land()
+        self.uncommitted.append(copy)
+        self.log.append(f"cp.async {nbytes} B" + ("" if src_bytes is None else f", src-size {src_bytes}"))
 
     def commit_group(self) -> None:
         self.groups.append(self.uncommitted)
@@ -62,30 +117,47 @@ class AsyncCopyUnit:
         if n < 0:
             raise ValueError(f"wait_group N needs N >= 0, got {n}")
         while len(self.groups) > n:
-            for dst, src in self.groups.popleft():
-                dst.copy_(src)
+            for copy in self.groups.popleft():
+                copy.land()
         self.log.append(f"wait_group {n} -> {len(self.groups)} pending")
 
     def wait_all(self) -> None:
         self.commit_group()
         self.wait_group(0)
 
+    def mbarrier_arrive_noinc(self, bar: Mbarrier) -> None:
+        """cp.async.mbarrier.arrive.noinc: one arrival on ``bar``, made once every cp.async this
+        thread issued before it (committed or not) has landed; it counts against ``bar``'s count."""
+        copies = [c for g in self.groups for c in g if not c.landed] + [c for c in self.uncommitted if not c.landed]
+        if copies:
+            bar.tracked.append((copies, self))
+        else:
+            bar.arrive()
+        self.log.append(f"cp.async.mbarrier.arrive.noinc -> tracks {len(copies)} copies")
+
     @property
     def pending(self) -> int:
         return len(self.groups)
 
 
-def tile_sums_ref(x: torch.Tensor) -> torch.Tensor:
-    """Sum of each row of ``x`` (n_tiles, tile): what the pipelined kernel computes."""
-    return x.float().sum(dim=1)
+def tile_sums_ref(x: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Sum of each row of ``x`` (n_tiles, tile) over its elements below ``n`` (counted in the
+    flattened ``x``; all of them by default): what the pipelined kernel computes."""
+    flat = x.float().flatten().clone()
+    if n is not None:
+        flat[n:] = 0.0
+    return flat.view(x.shape).sum(dim=1)
 
 
-def pipelined_tile_sums(x: torch.Tensor, stages: int = 3, *, wait: int | None = None, eager: bool = False) -> torch.Tensor:
+def pipelined_tile_sums(x: torch.Tensor, stages: int = 3, *, n: int | None = None, wait: int | None = None,
+                        eager: bool = False) -> torch.Tensor:
     """The loop of ``kernels/cuda/cp_async.cu``, emulated: sum each tile after staging it in shared memory.
 
     Shared memory is a ring of ``stages`` tile buffers, filled with NaN (stale bytes). The prologue
     issues tiles 0 .. stages-2 (one group each); iteration i waits with ``wait_group(stages - 2)``
     (tile i has landed), sums tile i, then issues tile i + stages - 1 into the slot tile i - 1 used.
+    ``n`` (the elements of the flattened ``x`` that may be read) masks the tail as the kernel does:
+    tile j's copy passes the bytes below ``n`` as its src-size and is zero-filled past them.
     ``wait`` overrides the wait depth, to show what a wrong one does.
     """
     if stages < 2:
@@ -94,21 +166,61 @@ def pipelined_tile_sums(x: torch.Tensor, stages: int = 3, *, wait: int | None = 
         raise ValueError(f"x must be (n_tiles, tile), got shape {tuple(x.shape)}")
     depth = stages - 2 if wait is None else wait
     n_tiles, tile = x.shape
+    if n is not None and not 0 <= n <= x.numel():
+        raise ValueError(f"n must be in 0..{x.numel()} (the elements of x), got {n}")
     smem = torch.full((stages, tile), float("nan"), dtype=x.dtype)
     unit = AsyncCopyUnit(eager=eager)
     out = torch.empty(n_tiles, dtype=torch.float32)
+
+    def issue(j: int) -> None:                       # tile j into slot j % stages
+        valid = None if n is None else min(max(n - j * tile, 0), tile) * x.element_size()
+        unit.cp_async(smem[j % stages], x[j], valid)
+
     for j in range(stages - 1):                      # prologue: stages-1 tiles in flight
         if j < n_tiles:
-            unit.cp_async(smem[j % stages], x[j])
+            issue(j)
         unit.commit_group()
     for i in range(n_tiles):
         unit.wait_group(depth)                       # tile i is in smem[i % stages]
         out[i] = smem[i % stages].float().sum()      # compute on the staged tile
         j = i + stages - 1                           # refill the slot tile i-1 used
         if j < n_tiles:
-            unit.cp_async(smem[j % stages], x[j])
+            issue(j)
         unit.commit_group()                          # possibly empty: keeps the group count regular
     unit.wait_group(0)
+    return out
+
+
+def mbarrier_tile_sums(x: torch.Tensor, stages: int = 3, *, arrive_first: bool = False, eager: bool = False) -> torch.Tensor:
+    """The loop of ``cp_async_mbarrier_tile_sums``, for one thread: each slot has a ``full``
+    barrier of count 1; a tile's copy is followed by ``cp.async.mbarrier.arrive.noinc`` on its
+    slot's barrier, and the sum of tile i waits on that barrier's phase (i // stages) & 1 instead of
+    a group. ``arrive_first`` is the broken variant that arrives before issuing the copy: the
+    arrival tracks nothing of the tile, so the wait passes before the tile has landed."""
+    if stages < 2:
+        raise ValueError(f"a pipeline needs stages >= 2 (one buffer being filled, one being read), got {stages}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be (n_tiles, tile), got shape {tuple(x.shape)}")
+    n_tiles, tile = x.shape
+    smem = torch.full((stages, tile), float("nan"), dtype=x.dtype)
+    full = [Mbarrier(1) for _ in range(stages)]
+    unit = AsyncCopyUnit(eager=eager)
+    out = torch.empty(n_tiles, dtype=torch.float32)
+
+    def issue(j: int) -> None:
+        if arrive_first:
+            unit.mbarrier_arrive_noinc(full[j % stages])
+        unit.cp_async(smem[j % stages], x[j])
+        if not arrive_first:
+            unit.mbarrier_arrive_noinc(full[j % stages])
+
+    for j in range(min(stages - 1, n_tiles)):        # prologue: no commit groups
+        issue(j)
+    for i in range(n_tiles):
+        full[i % stages].wait((i // stages) & 1)     # tile i has landed in smem[i % stages]
+        out[i] = smem[i % stages].float().sum()
+        if i + stages - 1 < n_tiles:
+            issue(i + stages - 1)                    # refill the slot tile i-1 used
     return out
 
 
@@ -190,3 +302,20 @@ def steady_state_period(stages: int, *, latency: float, transfer: float, compute
     if stages == 1:
         return max(latency, transfer) + compute
     return max(compute, transfer, latency / (stages - 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# SASS: where a copy's bytes pass
+
+
+_LDG = re.compile(r"\bLDG\.[\w.]+ (R\d+), ")
+_STS = re.compile(r"\bSTS\.[\w.]+ \[[^\]]*\], (R\d+)")
+
+
+def staged_registers(sass: str) -> set[str]:
+    """Registers that a global load (``LDG``) writes and a shared store (``STS``) reads in one
+    function's SASS: the registers a register-staged copy passes its bytes through. Empty for
+    ``LDGSTS``, whose destination is a shared-memory address."""
+    loaded = {m.group(1) for m in map(_LDG.search, sass.splitlines()) if m}
+    stored = {m.group(1) for m in map(_STS.search, sass.splitlines()) if m}
+    return loaded & stored
