@@ -338,6 +338,81 @@ def test_unknown_architecture_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------
+# The accumulator reused as A (P in registers), the 8-bit m16n8k32 layouts, mma.sp: SASS and layouts
+
+
+def _s_and_v(seed):
+    Q, K, V = small_ints((16, 16), seed), small_ints((16, 16), seed + 1), small_ints((16, 8), seed + 2)
+    kt = K.T.contiguous()
+    q = F.to_fragments(Q, "a")
+    s_left = F.mma_m16n8k16(q, F.to_fragments(kt[:, :8].contiguous(), "b"))
+    s_right = F.mma_m16n8k16(q, F.to_fragments(kt[:, 8:].contiguous(), "b"))
+    return Q, K, V, s_left, s_right
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_accumulators_are_the_next_a_fragment(seed):
+    Q, K, V, s_left, s_right = _s_and_v(10 * seed)
+    P = (Q.double() @ K.double().T).half()                   # exact: small integers
+    assert torch.equal(F.c_to_a(s_left, s_right), F.to_fragments(P, "a"))
+    o = F.mma_m16n8k16(F.c_to_a(s_left, s_right), F.to_fragments(V, "b"))
+    assert torch.equal(F.from_fragments(o, "c"), (P.double() @ V.double()).float())
+
+
+def test_an_interleaved_c_to_a_is_caught():
+    Q, K, V, s_left, s_right = _s_and_v(7)
+    wrong = torch.cat([s_left[:, :2], s_right[:, :2], s_left[:, 2:], s_right[:, 2:]], dim=1).half()
+    P = (Q.double() @ K.double().T).half()
+    assert not torch.equal(wrong, F.to_fragments(P, "a"))
+    with pytest.raises(ValueError, match="c_left must be float32"):
+        F.c_to_a(s_left.half(), s_right)
+
+
+@pytest.mark.parametrize("op", ["a", "b"])
+def test_8bit_k32_layout_is_the_16bit_layout_in_bytes(op):
+    lay = F.mma_k32_layout(op)
+    rows, cols = (16, 32) if op == "a" else (32, 8)
+    assert sorted(r * cols + c for r, c in lay.reshape(-1, 2).tolist()) == list(range(rows * cols))
+    assert F.register_bytes(lay, op, 1) == F.register_bytes(F.mma_layout(op), op, 2)
+    r, q = (1, 2) if op == "a" else (0, 1)                   # two registers exchanged: a plausible misreading
+    wrong = lay.copy()
+    wrong[:, 4 * r:4 * r + 4], wrong[:, 4 * q:4 * q + 4] = lay[:, 4 * q:4 * q + 4], lay[:, 4 * r:4 * r + 4]
+    assert F.register_bytes(wrong, op, 1) != F.register_bytes(F.mma_layout(op), op, 2)
+
+
+def test_mma_k32_layout_bad_operand():
+    with pytest.raises(ValueError, match="operand must be 'a' or 'b'"):
+        F.mma_k32_layout("c")
+
+
+@pytest.fixture(scope="module")
+def reuse_builds():
+    out = {("mma_reuse", arch): ki.compile_cuda("mma_reuse", arch=arch) for arch in ("sm80", "sm90", "sm120")}
+    out.update({("mma_k32", arch): ki.compile_cuda("mma_k32", arch=arch) for arch in ("sm89", "sm90", "sm120")})
+    return out
+
+
+def test_p_in_registers_sass(reuse_builds):
+    for arch in ("sm80", "sm90", "sm120"):
+        ops = S.opcodes(reuse_builds[("mma_reuse", arch)].sass, "mma_p_in_registers")
+        assert ops["HMMA.16816.F32"] == 3
+        assert sum(n for op, n in ops.items() if op.startswith("F2FP") and op.endswith("PACK_AB")) == 4   # 8 f32 -> 4 f16x2
+        assert not any(op.startswith(("SHFL", "LDS", "STS", "LDSM")) for op in ops), sorted(ops)     # no lane exchange
+
+
+def test_fp8_and_sparse_k32_sass(reuse_builds):
+    for arch in ("sm89", "sm120"):                            # native fp8 mma.sync
+        ops = S.opcodes(reuse_builds[("mma_k32", arch)].sass, "mma_fp8_m16n8k32")
+        assert ops["QMMA.16832.F32.E4M3.E4M3"] == 1 and not any(op.startswith("HMMA") for op in ops)
+    ops = S.opcodes(reuse_builds[("mma_k32", "sm90")].sass, "mma_fp8_m16n8k32")
+    assert ops["HMMA.16816.F32"] == 2 and ops["F2FP.F16.E4M3.UNPACK_B"] >= 8 and "QMMA.16832.F32.E4M3.E4M3" not in ops
+    for arch in ("sm89", "sm90", "sm120"):
+        assert S.opcodes(reuse_builds[("mma_k32", arch)].sass, "mma_sp_m16n8k32")["HMMA.SP.16832.F32"] == 1
+    with pytest.raises(ki.CompileError, match="FP8 floating point type' requires .target sm_89"):
+        ki.compile_cuda("mma_k32", arch="sm80")
+
+
+# ---------------------------------------------------------------------------------------------
 # On a GPU: the real instructions against the emulation and torch
 
 
@@ -542,3 +617,18 @@ def test_gpu_occupancy_calculator_agrees_with_the_driver():
         for dynamic in (0, 16 * 1024, 40 * 1024):   # static + dynamic stays under the 48 KiB default limit
             want = mod.max_active_blocks("cp_async_tile_sums", threads, dynamic)
             assert hw.occupancy(g, threads, regs, smem + dynamic).blocks_per_sm == want, (threads, dynamic, regs, smem)
+
+
+@GPU
+def test_gpu_p_in_registers_matches_the_emulation():
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("mma_reuse")
+    Q, K, V, s_left, s_right = _s_and_v(3)
+    kt = K.T.contiguous()
+    kf = torch.cat([F.pack_halves(F.to_fragments(kt[:, :8].contiguous(), "b")),
+                    F.pack_halves(F.to_fragments(kt[:, 8:].contiguous(), "b"))], dim=1)
+    out = torch.empty(32, 4, device="cuda")
+    mod.launch("mma_p_in_registers", 1, 32, F.pack_halves(F.to_fragments(Q, "a")).cuda(), kf.contiguous().cuda(),
+               F.pack_halves(F.to_fragments(V, "b")).cuda(), out)
+    assert torch.equal(out.cpu(), F.mma_m16n8k16(F.c_to_a(s_left, s_right), F.to_fragments(V, "b")))

@@ -222,6 +222,55 @@ def mma_from_matrices(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None =
     return from_fragments(d, "c")
 
 
+
+def c_to_a(c_left: torch.Tensor, c_right: torch.Tensor) -> torch.Tensor:
+    """The A fragments (32, 8) fp16 of a 16x16 tile whose columns 0..7 are the accumulator ``c_left``
+    and 8..15 ``c_right`` (each (32, 4) fp32). By the layouts, a_i = c_left's c_i for i < 4 and
+    c_right's c_(i-4) for i >= 4 *in the same lane*: each thread only rounds and packs its own values
+    (FlashAttention-2's P kept in registers for P V)."""
+    for name, c in (("c_left", c_left), ("c_right", c_right)):
+        if tuple(c.shape) != (32, 4) or c.dtype != torch.float32:
+            raise ValueError(f"c_to_a: {name} must be float32 of shape (32, 4), got {c.dtype} {tuple(c.shape)}")
+    return torch.cat([c_left, c_right], dim=1).half()
+
+
+def mma_k32_layout(operand: str) -> np.ndarray:
+    """``[lane, i] = (row, col)`` of the 8-bit operands of ``mma.m16n8k32`` (``.e4m3``/``.e5m2``, and
+    ``.s8``/``.u8``): A (16x32, row) 16 elements per lane, B (32x8, col) 8. C/D is m16n8k16's."""
+    lanes = _lanes()
+    g, t = group_id(lanes), thread_in_group(lanes)
+    if operand == "a":
+        i = np.arange(16)[None, :]
+        row = g[:, None] + 8 * ((i // 4) % 2)
+        col = 4 * t[:, None] + (i % 4) + 16 * (i // 8)
+    elif operand == "b":
+        i = np.arange(8)[None, :]
+        row = 4 * t[:, None] + (i % 4) + 16 * (i // 4)
+        col = np.broadcast_to(g[:, None], (WARP, 8))
+    else:
+        raise ValueError(f"operand must be 'a' or 'b' (C/D is the m16n8k16 layout), got {operand!r}")
+    row, col = np.broadcast_arrays(row, col)
+    return np.stack([row, col], axis=-1).astype(np.int64)
+
+
+def register_bytes(layout: np.ndarray, operand: str, elem_bytes: int) -> list[list[frozenset]]:
+    """For each lane and 32-bit register, the bytes it holds as (line, byte) pairs, where a line is a
+    row of A or a column of B (the K-contiguous direction of a row-major A and a "col" B)."""
+    lay = np.asarray(layout)
+    per_reg = 4 // elem_bytes
+    out = []
+    for lane in range(lay.shape[0]):
+        regs = []
+        for r in range(lay.shape[1] // per_reg):
+            cells = set()
+            for row, col in lay[lane, r * per_reg:(r + 1) * per_reg]:
+                line, k = (row, col) if operand == "a" else (col, row)
+                cells.update((int(line), int(k) * elem_bytes + j) for j in range(elem_bytes))
+            regs.append(frozenset(cells))
+        out.append(regs)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # ldmatrix feeding mma: the composition a real kernel uses
 
