@@ -338,6 +338,65 @@ def test_unknown_architecture_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------
+# stmatrix and movmatrix (kernels/cuda/stmatrix.cu), and the 8-bit transposing ldmatrix
+
+
+@pytest.mark.parametrize("num", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_stmatrix_writes_back_what_ldmatrix_read(num, trans):
+    smem = torch.randperm(512, generator=torch.Generator().manual_seed(num)).to(torch.int16)
+    rows = (torch.randperm(64, generator=torch.Generator().manual_seed(9))[:32] * 8).tolist()
+    regs = F.ldmatrix(smem, rows, num, trans)
+    out = F.stmatrix(torch.full((512,), -1, dtype=torch.int16), rows, regs, trans)
+    touched = [rows[lane] + j for lane in range(8 * num) for j in range(8)]
+    assert torch.equal(out[touched], smem[touched])
+    assert (out[sorted(set(range(512)) - set(touched))] == -1).all()          # nothing else written
+
+
+def test_stmatrix_x4_stores_an_a_fragment_as_a_row_major_tile():
+    A = small_ints((16, 16), 21)
+    out = F.stmatrix(torch.zeros(256, dtype=torch.float16), F.a_tile_addresses(), F.to_fragments(A, "a").reshape(32, 4, 2))
+    assert torch.equal(out.reshape(16, 16), A)
+    wrong = F.stmatrix(torch.zeros(256, dtype=torch.float16), F.a_tile_addresses(), F.to_fragments(A, "a").reshape(32, 4, 2),
+                       trans=True)
+    assert not torch.equal(wrong.reshape(16, 16), A)
+
+
+def test_movmatrix_is_the_transposing_load_in_registers():
+    M = torch.randperm(64, generator=torch.Generator().manual_seed(4)).to(torch.int16)
+    rows = [8 * (lane % 8) for lane in range(32)]
+    plain, transposed = F.ldmatrix(M, rows, 1)[:, 0], F.ldmatrix(M, rows, 1, trans=True)[:, 0]
+    assert torch.equal(F.movmatrix(plain), transposed)
+    assert torch.equal(F.movmatrix(F.movmatrix(plain)), plain)
+    assert not torch.equal(F.movmatrix(plain), plain)
+
+
+def test_stmatrix_and_movmatrix_bad_inputs():
+    with pytest.raises(ValueError, match="regs must be"):
+        F.stmatrix(torch.zeros(512, dtype=torch.int16), [0] * 32, torch.zeros(32, 4))
+    with pytest.raises(ValueError, match="stmatrix: lane 3's row address 4"):
+        F.stmatrix(torch.zeros(512, dtype=torch.int16), [0, 8, 16, 4] + [0] * 28, torch.zeros(32, 1, 2))
+    with pytest.raises(ValueError, match="movmatrix: regs must be"):
+        F.movmatrix(torch.zeros(32, 4))
+
+
+def test_stmatrix_movmatrix_and_8bit_ldmatrix_sass():
+    for arch in ("sm90", "sm100", "sm120"):
+        sass = ki.compile_cuda("stmatrix", arch=arch).sass
+        found = {k: {op: n for op, n in S.opcodes(sass, k).items() if op.startswith(("STSM", "MOVM", "STS"))}
+                 for k in ("stmatrix_x4", "stmatrix_x4_trans", "movmatrix_trans")}
+        assert found["stmatrix_x4"].get("STSM.16.M88.4") == 1 and found["stmatrix_x4_trans"].get("STSM.16.MT88.4") == 1
+        assert found["movmatrix_trans"] == {"MOVM.16.MT88": 1}
+    with pytest.raises(ki.CompileError, match="'stmatrix' requires .target sm_90"):
+        ki.compile_cuda("stmatrix", arch="sm80")
+    for arch in ("sm100", "sm120"):
+        ops = S.opcodes(ki.compile_cuda("ldmatrix_b8", arch=arch).sass, "ldmatrix_b8_m16n16_trans")
+        assert ops["LDSM.8.MT1616"] == 1
+    with pytest.raises(ki.CompileError, match="'.m16n16' not supported on .target 'sm_90a'"):
+        ki.compile_cuda("ldmatrix_b8", arch="sm90")
+
+
+# ---------------------------------------------------------------------------------------------
 # The accumulator reused as A (P in registers), the 8-bit m16n8k32 layouts, mma.sp: SASS and layouts
 
 
@@ -632,3 +691,25 @@ def test_gpu_p_in_registers_matches_the_emulation():
     mod.launch("mma_p_in_registers", 1, 32, F.pack_halves(F.to_fragments(Q, "a")).cuda(), kf.contiguous().cuda(),
                F.pack_halves(F.to_fragments(V, "b")).cuda(), out)
     assert torch.equal(out.cpu(), F.mma_m16n8k16(F.c_to_a(s_left, s_right), F.to_fragments(V, "b")))
+
+
+@GPU
+def test_gpu_stmatrix_and_movmatrix_match_the_emulation():
+    from kernels import cuda_launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("stmatrix needs sm90 or later")
+    mod = cuda_launch.load("stmatrix")
+    smem = torch.randperm(512, generator=torch.Generator().manual_seed(2)).to(torch.int16)
+    rows = (torch.randperm(64, generator=torch.Generator().manual_seed(3))[:32] * 8).tolist()
+    for kernel, trans in (("stmatrix_x4", False), ("stmatrix_x4_trans", True)):
+        regs = F.ldmatrix(smem, rows, 4, trans)
+        out = torch.empty(512, dtype=torch.int16, device="cuda")
+        mod.launch(kernel, 1, 32, regs.contiguous().view(torch.int32).reshape(32, 4).cuda(),
+                   torch.tensor(rows, dtype=torch.int32).cuda(), out)
+        want = F.stmatrix(torch.full((512,), -1, dtype=torch.int16), rows, regs, trans)
+        assert torch.equal(out.cpu(), want)
+    plain = F.ldmatrix(smem[:64], [8 * (lane % 8) for lane in range(32)], 1)[:, 0]
+    got = torch.empty(32, dtype=torch.int32, device="cuda")
+    mod.launch("movmatrix_trans", 1, 32, plain.contiguous().view(torch.int32).reshape(32).cuda(), got)
+    assert torch.equal(got.cpu().view(torch.int16).reshape(32, 2), F.movmatrix(plain))

@@ -92,24 +92,63 @@ def ldmatrix(smem: torch.Tensor, row_addresses, num: int, trans: bool = False, *
     address must be 16-byte aligned, a multiple of 8 elements). Returns ``(32, num, 2)``: what
     each lane's register r holds, low half first.
     """
-    _check_num(num)
-    if not isinstance(smem, torch.Tensor) or smem.dim() != 1 or smem.element_size() != 2:
-        raise ValueError("ldmatrix: smem must be a 1-D tensor of 16-bit elements (float16, bfloat16, int16)")
-    addresses = [int(a) for a in row_addresses]
-    if len(addresses) != WARP:
-        raise ValueError(f"ldmatrix: row_addresses needs one entry per lane (32), got {len(addresses)}")
+    addresses = _row_addresses(smem, row_addresses, num, "ldmatrix")
     # rows[m][r] = the 8 elements of row r of matrix m, read from the address lane 8m + r supplied
     rows = torch.empty((num, 8, 8), dtype=smem.dtype)
     for lane in ldmatrix_address_lanes(num):
-        a = addresses[lane]
-        if a % 8:
-            raise ValueError(f"ldmatrix: lane {lane}'s row address {a} is not 16-byte aligned (a multiple of 8 elements)")
-        if a < 0 or a + 8 > smem.numel():
-            raise ValueError(f"ldmatrix: lane {lane}'s row {a}..{a + 7} is outside shared memory of {smem.numel()} elements")
-        rows[lane // 8, lane % 8] = smem[a:a + 8]
+        rows[lane // 8, lane % 8] = smem[addresses[lane]:addresses[lane] + 8]
     lay = ldmatrix_layout(num, trans) if layout is None else np.asarray(layout)
     m, r, c = (torch.as_tensor(lay[..., k]) for k in range(3))
     return rows[m, r, c]  # (32, num, 2)
+
+
+def _row_addresses(smem: torch.Tensor, row_addresses, num: int, op: str) -> list[int]:
+    """The 32 lanes' row addresses, checked as ``ldmatrix``/``stmatrix`` need them (lanes 0 .. 8 num - 1
+    read: 16-byte aligned, inside ``smem``, a 1-D tensor of 16-bit elements)."""
+    _check_num(num)
+    if not isinstance(smem, torch.Tensor) or smem.dim() != 1 or smem.element_size() != 2:
+        raise ValueError(f"{op}: smem must be a 1-D tensor of 16-bit elements (float16, bfloat16, int16)")
+    addresses = [int(a) for a in row_addresses]
+    if len(addresses) != WARP:
+        raise ValueError(f"{op}: row_addresses needs one entry per lane (32), got {len(addresses)}")
+    for lane in ldmatrix_address_lanes(num):
+        a = addresses[lane]
+        if a % 8:
+            raise ValueError(f"{op}: lane {lane}'s row address {a} is not 16-byte aligned (a multiple of 8 elements)")
+        if a < 0 or a + 8 > smem.numel():
+            raise ValueError(f"{op}: lane {lane}'s row {a}..{a + 7} is outside shared memory of {smem.numel()} elements")
+    return addresses
+
+
+def stmatrix(smem: torch.Tensor, row_addresses, regs: torch.Tensor, trans: bool = False) -> torch.Tensor:
+    """Emulate ``stmatrix.sync.aligned.m8n8.x{num}[.trans].shared.b16`` (sm_90): ldmatrix run backwards.
+
+    ``regs`` (32, num, 2) is what each lane's register r holds, low half first, in ldmatrix's layout;
+    lane 8m + r supplies the address of row r of matrix m. Writes those rows into ``smem`` (in place)
+    and returns it."""
+    if regs.dim() != 3 or regs.shape[0] != WARP or regs.shape[2] != 2:
+        raise ValueError(f"stmatrix: regs must be (32, num, 2), got {tuple(regs.shape)}")
+    num = regs.shape[1]
+    addresses = _row_addresses(smem, row_addresses, num, "stmatrix")
+    lay = ldmatrix_layout(num, trans)
+    rows = torch.empty((num, 8, 8), dtype=smem.dtype)
+    rows[tuple(torch.as_tensor(lay[..., k]) for k in range(3))] = regs.to(smem.dtype)
+    for lane in ldmatrix_address_lanes(num):
+        smem[addresses[lane]:addresses[lane] + 8] = rows[lane // 8, lane % 8]
+    return smem
+
+
+def movmatrix(regs: torch.Tensor) -> torch.Tensor:
+    """Emulate ``movmatrix.sync.aligned.m8n8.trans.b16``: ``regs`` (32, 2) hold an 8x8 matrix M in the
+    ldmatrix layout (lane l: row l // 4, columns 2 (l % 4) + j); returns the registers of M^T in the
+    same layout. A transpose across the warp's registers, no shared memory."""
+    if tuple(regs.shape) != (WARP, 2):
+        raise ValueError(f"movmatrix: regs must be (32, 2), got {tuple(regs.shape)}")
+    lay = ldmatrix_layout(1)[:, 0]                       # (32, 2, 3): (matrix, row, col) per lane and half
+    r, c = torch.as_tensor(lay[..., 1]), torch.as_tensor(lay[..., 2])
+    M = torch.empty((8, 8), dtype=regs.dtype)
+    M[r, c] = regs
+    return M.T[r, c]
 
 
 # ----------------------------------------------------------------------------------------------
