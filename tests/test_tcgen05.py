@@ -189,3 +189,41 @@ def test_gpu_tcgen05_gemm(K):
     assert torch.equal(D.cpu(), C.tcgen05_gemm(A, Bt))
     mod.launch("tcgen05_gemm", 1, 128, A.cuda(), Bt.cuda(), D, K, ctypes.c_uint32(C.encode_idesc(C.InstrDesc(128, 32))))
     assert not torch.equal(D.cpu(), C.tcgen05_ref(A, Bt))          # the wrong descriptor
+
+
+def test_relinquish_alloc_permit_forbids_a_later_alloc_but_keeps_the_columns():
+    t = C.TensorMemory()
+    base = t.alloc(128, "CTA 0")
+    t.relinquish_alloc_permit("CTA 0")
+    with pytest.raises(RuntimeError, match="relinquish_alloc_permit"):
+        t.alloc(32, "CTA 0")
+    assert t.owner[base:base + 128] == ["CTA 0"] * 128        # still held until dealloc
+    assert t.alloc(32, "CTA 1") == C.taddr(0, 128)            # another CTA still allocates
+    t.dealloc(base, 128)
+
+
+def test_pair_kernel_sass_issue_model():
+    b = ki.compile_cuda("tcgen05_pair", arch="sm100")
+    ops = S.opcodes(b.sass, "tcgen05_pair_gemm")
+    assert ops["UTCHMMA.2CTA"] == 1 and "UTCHMMA" not in ops                 # one pair MMA, no 1-CTA MMA
+    assert ops["UTCBAR.2CTA.MULTICAST"] == 1                                 # commit to both CTAs' barriers
+    assert ops["UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN"] >= 1 and ops["LDTM"] == 4
+    assert b.metadata["resources"]["tcgen05_pair_gemm"]["LOCAL"] == 0
+    one = S.opcodes(ki.compile_cuda("tcgen05", arch="sm100").sass, "tcgen05_gemm")
+    assert "UTCHMMA.2CTA" not in one and one["UTCBAR"] == 1                   # the broken comparison: cta_group::1
+    with pytest.raises(ki.CompileError, match="not supported on .target 'sm_90a'"):
+        ki.compile_cuda("tcgen05_pair", arch="sm90")
+
+
+@GPU
+def test_gpu_tcgen05_pair_gemm():
+    from kernels import cuda_launch
+    import ctypes
+
+    if cuda_launch.device_arch() != "sm100":
+        pytest.skip("tcgen05 needs sm100")
+    mod = cuda_launch.load("tcgen05_pair")
+    A, Bt = ints((256, 16), 7), ints((64, 16), 8)
+    D = torch.empty(256, 64, device="cuda")
+    mod.launch("tcgen05_pair_gemm", 2, 128, A.cuda(), Bt.cuda(), D, ctypes.c_uint32(C.encode_idesc(C.InstrDesc(256, 64))))
+    assert torch.equal(D.cpu(), C.tcgen05_ref(A, Bt))
