@@ -189,6 +189,18 @@ class TensorMemory:
         self._check(col, num)
         return self.cells[lane: lane + 32, col: col + num].clone()
 
+    def st_32x32b(self, addr: int, warp: int, regs: torch.Tensor) -> None:
+        """``tcgen05.st.sync.aligned.32x32b.x<num>`` by warp ``warp``: thread t's ``num`` registers
+        (``regs`` is (32, num)) go to lane 32 (warp % 4) + t, consecutive columns; ld's rule runs backwards."""
+        lane, col = addr >> 16, addr & 0xFFFF
+        if lane != 32 * (warp % 4):
+            raise ValueError(f"warp {warp} may access TMEM lanes {32 * (warp % 4)}..{32 * (warp % 4) + 31} only, "
+                             f"got lane {lane}")
+        if regs.dim() != 2 or regs.shape[0] != 32:
+            raise ValueError(f"regs must be (32 threads, num registers), got {tuple(regs.shape)}")
+        self._check(col, regs.shape[1])
+        self.cells[lane: lane + 32, col: col + regs.shape[1]] = regs.to(self.cells.dtype)
+
 
 # ---------------------------------------------------------------------------------------------
 # The kernel's computation, and the CTA pair
