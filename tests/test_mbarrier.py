@@ -71,6 +71,17 @@ def test_arrivals_alone_do_not_complete_while_bytes_are_owed():
         bar.arrive()
 
 
+def test_arrive_no_complete_must_not_complete_the_phase():
+    bar = M.MBarrier(4)
+    bar.arrive(3, no_complete=True)                 # 4 -> 1 pending: allowed
+    assert bar.state() == (0, 1, 0)
+    with pytest.raises(M.MBarrierError, match="noComplete.*would complete phase 0"):
+        bar.arrive(1, no_complete=True)
+    bar.expect_tx(16)
+    bar.arrive(1, no_complete=True)                 # bytes still owed: the phase does not complete
+    assert bar.state() == (0, 0, 16)
+
+
 @pytest.mark.parametrize("expected", [1, 3, 7, 128])
 @pytest.mark.parametrize("seed", range(3))
 def test_arrival_sequences_agree_with_a_closed_form(expected, seed):

@@ -59,12 +59,16 @@ class MBarrier:
             self.phase += 1
             self.pending = self.expected
 
-    def arrive(self, count: int = 1) -> int:
+    def arrive(self, count: int = 1, no_complete: bool = False) -> int:
         """``mbarrier.arrive``: pending -= count. Returns the phase parity before the arrival (the
-        ISA's opaque ``state`` carries the phase; its parity is what a later wait would test)."""
+        ISA's opaque ``state`` carries the phase; its parity is what a later wait would test).
+        ``no_complete``: ``mbarrier.arrive.noComplete``, which the ISA leaves undefined if it completes
+        the phase (an error here)."""
         if count < 1 or count > self.pending:
             raise MBarrierError(f"arrive({count}) with {self.pending} arrivals pending in phase {self.phase}: "
                                 "the PTX ISA defines no effect for more arrivals than a phase expects")
+        if no_complete and count == self.pending and self.tx == 0:
+            raise MBarrierError(f"arrive.noComplete({count}) would complete phase {self.phase}: undefined in the PTX ISA")
         before = self.parity
         self.pending -= count
         self._complete_if_done()
