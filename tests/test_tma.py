@@ -225,6 +225,32 @@ def test_tma_store_that_writes_the_whole_box_is_caught():
     assert not torch.equal(unclipped.nan_to_num(7.0), big.nan_to_num(7.0))
 
 
+def test_tma_reduce_add_adds_inside_and_clips_outside():
+    x = torch.randint(-8, 9, (40, 16), generator=torch.Generator().manual_seed(24)).half()
+    tm = T.encode_tiled(x, (32, 16), address=0)
+    box = torch.randint(-8, 9, (32, 16), generator=torch.Generator().manual_seed(25)).half()
+    smem = T.smem_image(tm, box)
+    got = x.clone()
+    T.tma_store(tm, got, (0, 24), smem, 0, add=True)
+    T.tma_store(tm, got, (0, 24), smem, 0, add=True)          # twice: each element gains 2 x its box value
+    want = x.clone()
+    want[24:40] += 2 * box[:16]
+    assert torch.equal(got, want)
+    overwritten = x.clone()
+    T.tma_store(tm, overwritten, (0, 24), smem, 0)            # the plain store is not the reduction
+    assert not torch.equal(overwritten, want)
+
+
+def test_tma_reduce_and_cache_hint_sass():
+    for arch in ("sm90", "sm100", "sm120"):
+        lines = S.listing(ki.compile_cuda("tma_reduce", arch=arch).sass, "tma_reduce_add_box")
+        red = [l for l in lines if l.startswith("UTMAREDG")]
+        assert len(red) == 1 and red[0].startswith("UTMAREDG.2D.ADD") and "desc[" in red[0]      # the L2 policy operand
+        store = [l for l in S.listing(ki.compile_cuda("tma", arch=arch).sass, "tma_store_box") if l.startswith("UTMASTG")]
+        assert store and "desc[" not in store[0]                                                  # no hint, no operand
+        assert any(l.startswith("DEPBAR.LE SB0, 0x0") for l in lines)                            # wait_group.read 0
+
+
 @pytest.mark.parametrize("size, addrs, match", [(100, (0, 16), "multiple of 16"), (0, (0, 16), "multiple of 16"),
                                                 (64, (0, 24), "16-byte aligned")])
 def test_bulk_copy_rules(size, addrs, match):

@@ -163,10 +163,12 @@ def box_from_image(tmap: TensorMap, image: torch.Tensor, dtype: torch.dtype) -> 
     return chunks[src].reshape(-1).view(dtype).reshape(shape)
 
 
-def tma_store(tmap: TensorMap, x: torch.Tensor, coords: tuple[int, ...], smem: torch.Tensor, offset: int) -> None:
+def tma_store(tmap: TensorMap, x: torch.Tensor, coords: tuple[int, ...], smem: torch.Tensor, offset: int,
+              *, add: bool = False) -> None:
     """``cp.async.bulk.tensor ... .global.shared::cta.bulk_group``: un-swizzle the box image at
     ``offset`` of ``smem`` and write it into ``x`` at ``coords`` (innermost first). Elements of the box
-    that fall outside the tensor are **not written**: the store clips where the load fills."""
+    that fall outside the tensor are **not written**: the store clips where the load fills.
+    ``add``: ``cp.reduce.async.bulk.tensor ... .add``, which adds the box to ``x`` instead."""
     if len(coords) != tmap.rank:
         raise ValueError(f"coords needs {tmap.rank} coordinates (innermost first), got {coords}")
     box = box_from_image(tmap, smem[offset: offset + tmap.box_bytes], x.dtype)
@@ -177,7 +179,10 @@ def tma_store(tmap: TensorMap, x: torch.Tensor, coords: tuple[int, ...], smem: t
             return
         dst.append(slice(lo, hi))
         src.append(slice(lo - c, hi - c))
-    x[tuple(dst)] = box[tuple(src)]
+    if add:
+        x[tuple(dst)] += box[tuple(src)]
+    else:
+        x[tuple(dst)] = box[tuple(src)]
 
 
 def check_bulk_copy(size: int, *addresses: int) -> None:
