@@ -1,6 +1,7 @@
 """kernels/ptx/mbarrier.py and kernels/cuda/mbarrier.cu: the mbarrier state machine against the
 PTX ISA's rules, the producer/consumer ring (races and the wrong-parity deadlock), the SASS per
 target, and on a GPU the kernel against the reference."""
+import math
 import random
 
 import pytest
@@ -68,6 +69,17 @@ def test_arrivals_alone_do_not_complete_while_bytes_are_owed():
     assert bar.state() == (0, 0, 16)
     with pytest.raises(M.MBarrierError, match="no effect for more arrivals"):
         bar.arrive()
+
+
+def test_arrive_no_complete_must_not_complete_the_phase():
+    bar = M.MBarrier(4)
+    bar.arrive(3, no_complete=True)                 # 4 -> 1 pending: allowed
+    assert bar.state() == (0, 1, 0)
+    with pytest.raises(M.MBarrierError, match="noComplete.*would complete phase 0"):
+        bar.arrive(1, no_complete=True)
+    bar.expect_tx(16)
+    bar.arrive(1, no_complete=True)                 # bytes still owed: the phase does not complete
+    assert bar.state() == (0, 0, 16)
 
 
 @pytest.mark.parametrize("expected", [1, 3, 7, 128])
@@ -140,6 +152,76 @@ def test_ring_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
+# cp.async.mbarrier.arrive (kernels/cuda/mbarrier_cp_async.cu)
+
+
+def test_cp_async_arrive_noinc_is_the_threads_arrival():
+    bar, th = M.MBarrier(1), M.CpAsyncThread()
+    src = torch.arange(4.0)
+    dst = torch.full((4,), float("nan"))
+    th.copy(dst, src)
+    th.mbarrier_arrive(bar, noinc=True)
+    assert bar.state() == (0, 1, 0)              # nothing counted until the copy lands
+    th.land(0)
+    assert bar.state() == (1, 1, 0) and torch.equal(dst, src)
+
+
+def test_cp_async_arrive_without_noinc_nets_to_zero():
+    bar, th = M.MBarrier(1), M.CpAsyncThread()
+    th.copy(torch.zeros(2), torch.ones(2))
+    th.mbarrier_arrive(bar)                      # pending 1 -> 2; the landing takes it back to 1
+    assert bar.state() == (0, 2, 0)
+    th.land(0)
+    assert bar.state() == (0, 1, 0)              # the thread's own arrival is still owed
+    bar.arrive()
+    assert bar.state() == (1, 1, 0)
+
+
+def test_cp_async_arrive_tracks_every_prior_copy_in_any_landing_order():
+    bar, th = M.MBarrier(1), M.CpAsyncThread()
+    for _ in range(3):
+        th.copy(torch.zeros(1), torch.ones(1))
+    th.mbarrier_arrive(bar, noinc=True)
+    for i in (2, 0):
+        th.land(i)
+        assert bar.state() == (0, 1, 0)
+    th.land(1)
+    assert bar.state() == (1, 1, 0)
+    with pytest.raises(ValueError, match="not in flight"):
+        th.land(1)
+
+
+def test_cp_async_arrive_with_nothing_in_flight_arrives_at_once():
+    bar = M.MBarrier(1)
+    M.CpAsyncThread().mbarrier_arrive(bar, noinc=True)
+    assert bar.state() == (1, 1, 0)
+
+
+@pytest.mark.parametrize("arrival", ["cp.async.noinc", "cp.async+arrive"])
+def test_cp_async_tile_sum_matches_the_reference(arrival):
+    x = torch.randn(37, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    order = torch.randperm(37, generator=torch.Generator().manual_seed(6)).tolist()
+    for land_order in (None, order):
+        assert M.cp_async_tile_sum(x, arrival, land_order) == float(x.sum())
+
+
+def test_cp_async_tile_sum_broken_arrivals_are_caught():
+    x = torch.randn(16, 4, dtype=torch.float64)
+    assert math.isnan(M.cp_async_tile_sum(x, "arrive"))       # plain arrive: bytes not yet landed
+    with pytest.raises(M.Deadlock, match="16 arrivals still pending"):
+        M.cp_async_tile_sum(x, "cp.async")                     # no .noinc and no arrive: never completes
+
+
+def test_cp_async_tile_sum_bad_inputs():
+    with pytest.raises(ValueError, match="x must be"):
+        M.cp_async_tile_sum(torch.zeros(8))
+    with pytest.raises(ValueError, match="arrival must be"):
+        M.cp_async_tile_sum(torch.zeros(2, 2), "arrive.noinc")
+    with pytest.raises(ValueError, match="land_order must be a permutation"):
+        M.cp_async_tile_sum(torch.zeros(2, 2), land_order=[0, 0])
+
+
+# ---------------------------------------------------------------------------------------------
 # SASS per target
 
 
@@ -160,6 +242,62 @@ def test_mbarrier_sass(builds, arch):
     assert ops["SYNCS.ARRIVE.TRANS64.A1T0"] >= 1             # plain arrive: count 1, tx 0
     assert ops["UBLKCP.S.G"] >= 1                            # cp.async.bulk global -> shared
     assert b.metadata["resources"]["mbarrier_ring_sums"]["LOCAL"] == 0
+
+
+@pytest.fixture(scope="module")
+def cp_async_builds():
+    return {arch: ki.compile_cuda("mbarrier_cp_async", arch=arch) for arch in ("sm80", "sm90", "sm120")}
+
+
+def test_cp_async_mbarrier_arrive_sass(cp_async_builds):
+    for arch, b in cp_async_builds.items():
+        assert ki.families(b.ptx, "ptx")["cp.async.mbarrier"] == 1 and "cp.async.mbarrier.arrive.noinc" in b.ptx
+        ops = S.opcodes(b.sass, "cp_async_arrive_sum")
+        assert ops["LDGSTS.E.BYPASS.128"] == 1                      # cp.async.cg, 16 bytes
+        arrive = "ARRIVES.LDGSTSBAR.64" + ("" if arch == "sm80" else ".ARVCNT")
+        assert ops[arrive] == 1, (arch, sorted(ops))
+        assert b.metadata["resources"]["cp_async_arrive_sum"]["LOCAL"] == 0
+    sm80 = S.opcodes(cp_async_builds["sm80"].sass, "cp_async_arrive_sum")
+    assert not any(op.startswith("SYNCS") for op in sm80)           # sm80: init is a store, the wait polls
+    assert sm80["STS.64"] == 1
+    sm90 = S.opcodes(cp_async_builds["sm90"].sass, "cp_async_arrive_sum")
+    assert sm90["SYNCS.EXCH.64"] == 1 and sm90["SYNCS.PHASECHK.TRANS64"] >= 1
+
+
+@pytest.fixture(scope="module")
+def cluster_builds():
+    return {arch: ki.compile_cuda("mbarrier_cluster", arch=arch) for arch in ("sm90", "sm100", "sm120")}
+
+
+def _arrive_paths(listing):
+    """The instructions guarded by each predicate of the remote-arrive branch: {"@P0": [...], "@!P0": [...]}."""
+    k = next(i for i, l in enumerate(listing) if l.startswith("ST.E "))
+    paths = {"@P0": [], "@!P0": []}
+    for line in listing[k + 1:]:
+        pred = line.split()[0]
+        if pred not in paths:
+            break
+        paths[pred].append(line.split()[1])
+    return paths
+
+
+def test_cluster_mbarrier_sass(cluster_builds):
+    for arch, b in cluster_builds.items():
+        ptx = b.ptx
+        assert "mbarrier.arrive.release.cluster.shared::cluster.b64" in ptx
+        assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in ptx
+        lines = S.listing(b.sass, "mbarrier_remote_arrive")
+        paths = _arrive_paths(lines)
+        remote = "SYNCS.ARRIVE.TRANS64.RED.A1T0"
+        # release: fences (MEMBAR at GPU scope) order the remote store before the arrive; relaxed: none
+        assert paths["@P0"] == ["MEMBAR.ALL.CTA", "MEMBAR.ALL.GPU", "ERRBAR", "CGAERRBAR", remote], (arch, paths)
+        assert paths["@!P0"] == [remote], (arch, paths)
+        # acquire: a successful wait invalidates L1 before the consumer reads
+        waits = [i for i, l in enumerate(lines) if "SYNCS.PHASECHK.TRANS64.TRYWAIT" in l]
+        assert waits and all("CCTL.IVALL" in lines[i + 1] or "NANOSLEEP.SYNCS" in lines[i + 1] for i in waits)
+        # the suspend-time hint: a failed try_wait sleeps on the barrier for the argument's nanoseconds
+        assert sum("NANOSLEEP.SYNCS" in l for l in lines) == 1
+        assert b.metadata["resources"]["mbarrier_remote_arrive"]["LOCAL"] == 0
 
 
 def test_mbarrier_kernel_needs_sm90():
@@ -192,3 +330,26 @@ def test_gpu_wrong_parity_reads_stale_shared_memory():
     out = torch.empty(3, device="cuda")
     mod.launch("mbarrier_ring_sums", 1, 96, x, out, 3, 1)   # consumers wait on the preceding phase
     assert torch.isnan(out.cpu()).any()                     # at least one tile read before its bytes
+
+
+@GPU
+def test_gpu_cp_async_arrive_sum():
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("mbarrier_cp_async")
+    x = torch.randn(512, device="cuda")
+    out = torch.full((1,), float("nan"), device="cuda")
+    mod.launch("cp_async_arrive_sum", 1, 160, x, out)
+    assert_close(out.cpu(), x.cpu().double().sum().reshape(1), dtype=torch.float32, baseline=x.cpu().sum().reshape(1))
+
+
+@GPU
+def test_gpu_remote_arrive():
+    from kernels import cuda_launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm90 or later")
+    mod = cuda_launch.load("mbarrier_cluster")
+    out = torch.full((64,), -1, dtype=torch.int32, device="cuda")
+    mod.launch("mbarrier_remote_arrive", 2, 64, out, 1000, 1)
+    assert torch.equal(out.cpu(), 3 * torch.arange(64, dtype=torch.int32) + 1)

@@ -412,6 +412,140 @@ def test_unknown_architecture_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------
+# stmatrix and movmatrix (kernels/cuda/stmatrix.cu), and the 8-bit transposing ldmatrix
+
+
+@pytest.mark.parametrize("num", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_stmatrix_writes_back_what_ldmatrix_read(num, trans):
+    smem = torch.randperm(512, generator=torch.Generator().manual_seed(num)).to(torch.int16)
+    rows = (torch.randperm(64, generator=torch.Generator().manual_seed(9))[:32] * 8).tolist()
+    regs = F.ldmatrix(smem, rows, num, trans)
+    out = F.stmatrix(torch.full((512,), -1, dtype=torch.int16), rows, regs, trans)
+    touched = [rows[lane] + j for lane in range(8 * num) for j in range(8)]
+    assert torch.equal(out[touched], smem[touched])
+    assert (out[sorted(set(range(512)) - set(touched))] == -1).all()          # nothing else written
+
+
+def test_stmatrix_x4_stores_an_a_fragment_as_a_row_major_tile():
+    A = small_ints((16, 16), 21)
+    out = F.stmatrix(torch.zeros(256, dtype=torch.float16), F.a_tile_addresses(), F.to_fragments(A, "a").reshape(32, 4, 2))
+    assert torch.equal(out.reshape(16, 16), A)
+    wrong = F.stmatrix(torch.zeros(256, dtype=torch.float16), F.a_tile_addresses(), F.to_fragments(A, "a").reshape(32, 4, 2),
+                       trans=True)
+    assert not torch.equal(wrong.reshape(16, 16), A)
+
+
+def test_movmatrix_is_the_transposing_load_in_registers():
+    M = torch.randperm(64, generator=torch.Generator().manual_seed(4)).to(torch.int16)
+    rows = [8 * (lane % 8) for lane in range(32)]
+    plain, transposed = F.ldmatrix(M, rows, 1)[:, 0], F.ldmatrix(M, rows, 1, trans=True)[:, 0]
+    assert torch.equal(F.movmatrix(plain), transposed)
+    assert torch.equal(F.movmatrix(F.movmatrix(plain)), plain)
+    assert not torch.equal(F.movmatrix(plain), plain)
+
+
+def test_stmatrix_and_movmatrix_bad_inputs():
+    with pytest.raises(ValueError, match="regs must be"):
+        F.stmatrix(torch.zeros(512, dtype=torch.int16), [0] * 32, torch.zeros(32, 4))
+    with pytest.raises(ValueError, match="stmatrix: lane 3's row address 4"):
+        F.stmatrix(torch.zeros(512, dtype=torch.int16), [0, 8, 16, 4] + [0] * 28, torch.zeros(32, 1, 2))
+    with pytest.raises(ValueError, match="movmatrix: regs must be"):
+        F.movmatrix(torch.zeros(32, 4))
+
+
+def test_stmatrix_movmatrix_and_8bit_ldmatrix_sass():
+    for arch in ("sm90", "sm100", "sm120"):
+        sass = ki.compile_cuda("stmatrix", arch=arch).sass
+        found = {k: {op: n for op, n in S.opcodes(sass, k).items() if op.startswith(("STSM", "MOVM", "STS"))}
+                 for k in ("stmatrix_x4", "stmatrix_x4_trans", "movmatrix_trans")}
+        assert found["stmatrix_x4"].get("STSM.16.M88.4") == 1 and found["stmatrix_x4_trans"].get("STSM.16.MT88.4") == 1
+        assert found["movmatrix_trans"] == {"MOVM.16.MT88": 1}
+    with pytest.raises(ki.CompileError, match="'stmatrix' requires .target sm_90"):
+        ki.compile_cuda("stmatrix", arch="sm80")
+    for arch in ("sm100", "sm120"):
+        ops = S.opcodes(ki.compile_cuda("ldmatrix_b8", arch=arch).sass, "ldmatrix_b8_m16n16_trans")
+        assert ops["LDSM.8.MT1616"] == 1
+    with pytest.raises(ki.CompileError, match="'.m16n16' not supported on .target 'sm_90a'"):
+        ki.compile_cuda("ldmatrix_b8", arch="sm90")
+
+
+# ---------------------------------------------------------------------------------------------
+# The accumulator reused as A (P in registers), the 8-bit m16n8k32 layouts, mma.sp: SASS and layouts
+
+
+def _s_and_v(seed):
+    Q, K, V = small_ints((16, 16), seed), small_ints((16, 16), seed + 1), small_ints((16, 8), seed + 2)
+    kt = K.T.contiguous()
+    q = F.to_fragments(Q, "a")
+    s_left = F.mma_m16n8k16(q, F.to_fragments(kt[:, :8].contiguous(), "b"))
+    s_right = F.mma_m16n8k16(q, F.to_fragments(kt[:, 8:].contiguous(), "b"))
+    return Q, K, V, s_left, s_right
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_accumulators_are_the_next_a_fragment(seed):
+    Q, K, V, s_left, s_right = _s_and_v(10 * seed)
+    P = (Q.double() @ K.double().T).half()                   # exact: small integers
+    assert torch.equal(F.c_to_a(s_left, s_right), F.to_fragments(P, "a"))
+    o = F.mma_m16n8k16(F.c_to_a(s_left, s_right), F.to_fragments(V, "b"))
+    assert torch.equal(F.from_fragments(o, "c"), (P.double() @ V.double()).float())
+
+
+def test_an_interleaved_c_to_a_is_caught():
+    Q, K, V, s_left, s_right = _s_and_v(7)
+    wrong = torch.cat([s_left[:, :2], s_right[:, :2], s_left[:, 2:], s_right[:, 2:]], dim=1).half()
+    P = (Q.double() @ K.double().T).half()
+    assert not torch.equal(wrong, F.to_fragments(P, "a"))
+    with pytest.raises(ValueError, match="c_left must be float32"):
+        F.c_to_a(s_left.half(), s_right)
+
+
+@pytest.mark.parametrize("op", ["a", "b"])
+def test_8bit_k32_layout_is_the_16bit_layout_in_bytes(op):
+    lay = F.mma_k32_layout(op)
+    rows, cols = (16, 32) if op == "a" else (32, 8)
+    assert sorted(r * cols + c for r, c in lay.reshape(-1, 2).tolist()) == list(range(rows * cols))
+    assert F.register_bytes(lay, op, 1) == F.register_bytes(F.mma_layout(op), op, 2)
+    r, q = (1, 2) if op == "a" else (0, 1)                   # two registers exchanged: a plausible misreading
+    wrong = lay.copy()
+    wrong[:, 4 * r:4 * r + 4], wrong[:, 4 * q:4 * q + 4] = lay[:, 4 * q:4 * q + 4], lay[:, 4 * r:4 * r + 4]
+    assert F.register_bytes(wrong, op, 1) != F.register_bytes(F.mma_layout(op), op, 2)
+
+
+def test_mma_k32_layout_bad_operand():
+    with pytest.raises(ValueError, match="operand must be 'a' or 'b'"):
+        F.mma_k32_layout("c")
+
+
+@pytest.fixture(scope="module")
+def reuse_builds():
+    out = {("mma_reuse", arch): ki.compile_cuda("mma_reuse", arch=arch) for arch in ("sm80", "sm90", "sm120")}
+    out.update({("mma_k32", arch): ki.compile_cuda("mma_k32", arch=arch) for arch in ("sm89", "sm90", "sm120")})
+    return out
+
+
+def test_p_in_registers_sass(reuse_builds):
+    for arch in ("sm80", "sm90", "sm120"):
+        ops = S.opcodes(reuse_builds[("mma_reuse", arch)].sass, "mma_p_in_registers")
+        assert ops["HMMA.16816.F32"] == 3
+        assert sum(n for op, n in ops.items() if op.startswith("F2FP") and op.endswith("PACK_AB")) == 4   # 8 f32 -> 4 f16x2
+        assert not any(op.startswith(("SHFL", "LDS", "STS", "LDSM")) for op in ops), sorted(ops)     # no lane exchange
+
+
+def test_fp8_and_sparse_k32_sass(reuse_builds):
+    for arch in ("sm89", "sm120"):                            # native fp8 mma.sync
+        ops = S.opcodes(reuse_builds[("mma_k32", arch)].sass, "mma_fp8_m16n8k32")
+        assert ops["QMMA.16832.F32.E4M3.E4M3"] == 1 and not any(op.startswith("HMMA") for op in ops)
+    ops = S.opcodes(reuse_builds[("mma_k32", "sm90")].sass, "mma_fp8_m16n8k32")
+    assert ops["HMMA.16816.F32"] == 2 and ops["F2FP.F16.E4M3.UNPACK_B"] >= 8 and "QMMA.16832.F32.E4M3.E4M3" not in ops
+    for arch in ("sm89", "sm90", "sm120"):
+        assert S.opcodes(reuse_builds[("mma_k32", arch)].sass, "mma_sp_m16n8k32")["HMMA.SP.16832.F32"] == 1
+    with pytest.raises(ki.CompileError, match="FP8 floating point type' requires .target sm_89"):
+        ki.compile_cuda("mma_k32", arch="sm80")
+
+
+# ---------------------------------------------------------------------------------------------
 # On a GPU: the real instructions against the emulation and torch
 
 
@@ -636,3 +770,40 @@ def test_gpu_occupancy_calculator_agrees_with_the_driver():
         for dynamic in (0, 16 * 1024, 40 * 1024):   # static + dynamic stays under the 48 KiB default limit
             want = mod.max_active_blocks("cp_async_tile_sums", threads, dynamic)
             assert hw.occupancy(g, threads, regs, smem + dynamic).blocks_per_sm == want, (threads, dynamic, regs, smem)
+
+
+@GPU
+def test_gpu_p_in_registers_matches_the_emulation():
+    from kernels import cuda_launch
+
+    mod = cuda_launch.load("mma_reuse")
+    Q, K, V, s_left, s_right = _s_and_v(3)
+    kt = K.T.contiguous()
+    kf = torch.cat([F.pack_halves(F.to_fragments(kt[:, :8].contiguous(), "b")),
+                    F.pack_halves(F.to_fragments(kt[:, 8:].contiguous(), "b"))], dim=1)
+    out = torch.empty(32, 4, device="cuda")
+    mod.launch("mma_p_in_registers", 1, 32, F.pack_halves(F.to_fragments(Q, "a")).cuda(), kf.contiguous().cuda(),
+               F.pack_halves(F.to_fragments(V, "b")).cuda(), out)
+    assert torch.equal(out.cpu(), F.mma_m16n8k16(F.c_to_a(s_left, s_right), F.to_fragments(V, "b")))
+
+
+@GPU
+def test_gpu_stmatrix_and_movmatrix_match_the_emulation():
+    from kernels import cuda_launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("stmatrix needs sm90 or later")
+    mod = cuda_launch.load("stmatrix")
+    smem = torch.randperm(512, generator=torch.Generator().manual_seed(2)).to(torch.int16)
+    rows = (torch.randperm(64, generator=torch.Generator().manual_seed(3))[:32] * 8).tolist()
+    for kernel, trans in (("stmatrix_x4", False), ("stmatrix_x4_trans", True)):
+        regs = F.ldmatrix(smem, rows, 4, trans)
+        out = torch.empty(512, dtype=torch.int16, device="cuda")
+        mod.launch(kernel, 1, 32, regs.contiguous().view(torch.int32).reshape(32, 4).cuda(),
+                   torch.tensor(rows, dtype=torch.int32).cuda(), out)
+        want = F.stmatrix(torch.full((512,), -1, dtype=torch.int16), rows, regs, trans)
+        assert torch.equal(out.cpu(), want)
+    plain = F.ldmatrix(smem[:64], [8 * (lane % 8) for lane in range(32)], 1)[:, 0]
+    got = torch.empty(32, dtype=torch.int32, device="cuda")
+    mod.launch("movmatrix_trans", 1, 32, plain.contiguous().view(torch.int32).reshape(32).cuda(), got)
+    assert torch.equal(got.cpu().view(torch.int16).reshape(32, 2), F.movmatrix(plain))

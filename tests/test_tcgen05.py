@@ -189,3 +189,82 @@ def test_gpu_tcgen05_gemm(K):
     assert torch.equal(D.cpu(), C.tcgen05_gemm(A, Bt))
     mod.launch("tcgen05_gemm", 1, 128, A.cuda(), Bt.cuda(), D, K, ctypes.c_uint32(C.encode_idesc(C.InstrDesc(128, 32))))
     assert not torch.equal(D.cpu(), C.tcgen05_ref(A, Bt))          # the wrong descriptor
+
+
+def test_relinquish_alloc_permit_forbids_a_later_alloc_but_keeps_the_columns():
+    t = C.TensorMemory()
+    base = t.alloc(128, "CTA 0")
+    t.relinquish_alloc_permit("CTA 0")
+    with pytest.raises(RuntimeError, match="relinquish_alloc_permit"):
+        t.alloc(32, "CTA 0")
+    assert t.owner[base:base + 128] == ["CTA 0"] * 128        # still held until dealloc
+    assert t.alloc(32, "CTA 1") == C.taddr(0, 128)            # another CTA still allocates
+    t.dealloc(base, 128)
+
+
+def test_pair_kernel_sass_issue_model():
+    b = ki.compile_cuda("tcgen05_pair", arch="sm100")
+    ops = S.opcodes(b.sass, "tcgen05_pair_gemm")
+    assert ops["UTCHMMA.2CTA"] == 1 and "UTCHMMA" not in ops                 # one pair MMA, no 1-CTA MMA
+    assert ops["UTCBAR.2CTA.MULTICAST"] == 1                                 # commit to both CTAs' barriers
+    assert ops["UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN"] >= 1 and ops["LDTM"] == 4
+    assert b.metadata["resources"]["tcgen05_pair_gemm"]["LOCAL"] == 0
+    one = S.opcodes(ki.compile_cuda("tcgen05", arch="sm100").sass, "tcgen05_gemm")
+    assert "UTCHMMA.2CTA" not in one and one["UTCBAR"] == 1                   # the broken comparison: cta_group::1
+    with pytest.raises(ki.CompileError, match="not supported on .target 'sm_90a'"):
+        ki.compile_cuda("tcgen05_pair", arch="sm90")
+
+
+@GPU
+def test_gpu_tcgen05_pair_gemm():
+    from kernels import cuda_launch
+    import ctypes
+
+    if cuda_launch.device_arch() != "sm100":
+        pytest.skip("tcgen05 needs sm100")
+    mod = cuda_launch.load("tcgen05_pair")
+    A, Bt = ints((256, 16), 7), ints((64, 16), 8)
+    D = torch.empty(256, 64, device="cuda")
+    mod.launch("tcgen05_pair_gemm", 2, 128, A.cuda(), Bt.cuda(), D, ctypes.c_uint32(C.encode_idesc(C.InstrDesc(256, 64))))
+    assert torch.equal(D.cpu(), C.tcgen05_ref(A, Bt))
+
+
+def test_tcgen05_st_is_ld_backwards():
+    t = C.TensorMemory()
+    base = t.alloc(32, "cta")
+    regs = torch.arange(128 * 4, dtype=torch.float32).reshape(4, 32, 4)
+    for w in range(4):
+        t.st_32x32b(base | (32 * w) << 16, w, regs[w])
+    for w in range(4):
+        assert torch.equal(t.ld_32x32b(base | (32 * w) << 16, w, 4), regs[w])
+    assert torch.equal(t.cells[:, :4], regs.reshape(128, 4))          # thread t of warp w -> lane 32 w + t
+    with pytest.raises(ValueError, match="warp 1 may access TMEM lanes 32..63 only"):
+        t.st_32x32b(base, 1, regs[0])
+    with pytest.raises(RuntimeError, match="not allocated"):
+        t.st_32x32b(base | 40, 0, regs[0])
+
+
+def test_tcgen05_moves_sass():
+    b = ki.compile_cuda("tcgen05_moves", arch="sm100")
+    ops = S.opcodes(b.sass, "tcgen05_st_ld")
+    assert ops["STTM"] == 1 and ops["LDTM"] == 1
+    ops = S.opcodes(b.sass, "tcgen05_scaled_mma")
+    assert ops["UTCCP.T.S"] == 8 and ops["UTCQMMA"] == 1 and "UTCHMMA" not in ops
+    mma = next(l for l in S.listing(b.sass, "tcgen05_scaled_mma") if l.startswith("UTCQMMA"))
+    plain = next(l for l in S.listing(ki.compile_cuda("tcgen05", arch="sm100").sass, "tcgen05_gemm") if l.startswith("UTCHMMA"))
+    assert mma.count("tmem[") == plain.count("tmem[") + 1 == 3           # one more TMEM operand: the scales
+    for k in ("tcgen05_st_ld", "tcgen05_scaled_mma"):
+        assert b.metadata["resources"][k]["LOCAL"] == 0
+
+
+@GPU
+def test_gpu_tcgen05_st_ld_round_trip():
+    from kernels import cuda_launch
+
+    if cuda_launch.device_arch() != "sm100":
+        pytest.skip("tcgen05 needs sm100")
+    mod = cuda_launch.load("tcgen05_moves")
+    x = torch.randint(0, 2**31 - 1, (128, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    out = torch.zeros(128, 4, dtype=torch.int32, device="cuda")
+    mod.launch("tcgen05_st_ld", 1, 128, x.cuda(), out)
+    assert torch.equal(out.cpu(), x)

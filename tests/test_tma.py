@@ -7,6 +7,7 @@ import torch
 import kernels  # noqa: F401
 from kernels import inspect as ki
 from kernels import runtime
+from kernels.ptx import probe as P
 from kernels.ptx import sass as S
 from kernels.ptx import tma as T
 from kernels.ptx import wgmma as W
@@ -188,6 +189,77 @@ def test_triton_descriptor_aot_uses_tma_without_spills():
 
 
 # ---------------------------------------------------------------------------------------------
+# Store and 1-D bulk copies
+
+
+@pytest.mark.parametrize("mode, cols", [("none", 24), ("32B", 16), ("64B", 32), ("128B", 64)])
+@pytest.mark.parametrize("coords", [(0, 0), (0, 40), (0, -8), (8, 70)])
+def test_tma_store_writes_inside_and_clips_outside(mode, cols, coords):
+    x = halves((75, cols + 8), 20)[:, :cols].contiguous()
+    tm = T.encode_tiled(x, (16, cols if mode != "none" else 16), swizzle=mode, address=0)
+    box = halves(tuple(reversed(tm.box_dim)), 21)
+    smem = torch.zeros(4096, dtype=torch.uint8)
+    smem[1024: 1024 + tm.box_bytes] = T.smem_image(tm, box)
+    assert torch.equal(T.box_from_image(tm, smem[1024: 1024 + tm.box_bytes], x.dtype), box)
+    got = torch.full_like(x, float("nan"))
+    T.tma_store(tm, got, coords, smem, 1024)
+    want = torch.full_like(x, float("nan"))
+    c, r = coords
+    for i in range(box.shape[0]):
+        for j in range(box.shape[1]):
+            if 0 <= r + i < x.shape[0] and 0 <= c + j < x.shape[1]:
+                want[r + i, c + j] = box[i, j]
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_tma_store_that_writes_the_whole_box_is_caught():
+    """A store that forgot to clip (writing the filled rows past the edge) is not the emulation."""
+    x = halves((40, 16), 22)
+    tm = T.encode_tiled(x, (32, 16), address=0)
+    smem = T.smem_image(tm, halves((32, 16), 23))
+    big = torch.full((64, 16), float("nan"), dtype=x.dtype)
+    T.tma_store(tm, big[:40], (0, 24), smem, 0)
+    assert big[40:].isnan().all()                       # rows 40..55 of the box were not written past the tensor
+    unclipped = big.clone()
+    unclipped[24:56] = T.box_from_image(tm, smem, x.dtype)
+    assert not torch.equal(unclipped.nan_to_num(7.0), big.nan_to_num(7.0))
+
+
+def test_tma_reduce_add_adds_inside_and_clips_outside():
+    x = torch.randint(-8, 9, (40, 16), generator=torch.Generator().manual_seed(24)).half()
+    tm = T.encode_tiled(x, (32, 16), address=0)
+    box = torch.randint(-8, 9, (32, 16), generator=torch.Generator().manual_seed(25)).half()
+    smem = T.smem_image(tm, box)
+    got = x.clone()
+    T.tma_store(tm, got, (0, 24), smem, 0, add=True)
+    T.tma_store(tm, got, (0, 24), smem, 0, add=True)          # twice: each element gains 2 x its box value
+    want = x.clone()
+    want[24:40] += 2 * box[:16]
+    assert torch.equal(got, want)
+    overwritten = x.clone()
+    T.tma_store(tm, overwritten, (0, 24), smem, 0)            # the plain store is not the reduction
+    assert not torch.equal(overwritten, want)
+
+
+def test_tma_reduce_and_cache_hint_sass():
+    for arch in ("sm90", "sm100", "sm120"):
+        lines = S.listing(ki.compile_cuda("tma_reduce", arch=arch).sass, "tma_reduce_add_box")
+        red = [l for l in lines if l.startswith("UTMAREDG")]
+        assert len(red) == 1 and red[0].startswith("UTMAREDG.2D.ADD") and "desc[" in red[0]      # the L2 policy operand
+        store = [l for l in S.listing(ki.compile_cuda("tma", arch=arch).sass, "tma_store_box") if l.startswith("UTMASTG")]
+        assert store and "desc[" not in store[0]                                                  # no hint, no operand
+        assert any(l.startswith("DEPBAR.LE SB0, 0x0") for l in lines)                            # wait_group.read 0
+
+
+@pytest.mark.parametrize("size, addrs, match", [(100, (0, 16), "multiple of 16"), (0, (0, 16), "multiple of 16"),
+                                                (64, (0, 24), "16-byte aligned")])
+def test_bulk_copy_rules(size, addrs, match):
+    T.check_bulk_copy(64, 0, 16)
+    with pytest.raises(ValueError, match=match):
+        T.check_bulk_copy(size, *addrs)
+
+
+# ---------------------------------------------------------------------------------------------
 # SASS of the CUDA kernel
 
 
@@ -199,15 +271,28 @@ def builds():
 @pytest.mark.parametrize("arch", ["sm90", "sm100", "sm120"])
 def test_tma_sass(builds, arch):
     b = builds[arch]
-    assert ki.families(b.ptx, "ptx")["cp.async.bulk.tensor"] == 2
+    assert ki.families(b.ptx, "ptx")["cp.async.bulk.tensor"] == 3          # load, multicast load, store
     one = S.opcodes(b.sass, "tma_load_box")
     assert one["UTMALDG.2D"] == 1 and one["SYNCS.ARRIVE.TRANS64"] == 1 and one["SYNCS.EXCH.64"] == 1
     multi = S.opcodes(b.sass, "tma_multicast_box")
     assert multi["UCGABAR_ARV"] == 2 and multi["UCGABAR_WAIT"] == 2          # barrier.cluster arrive / wait
-    if arch == "sm120":     # no multicast TMA on sm120: ptxas emits a call instead of the instruction
-        assert multi["UTMALDG.2D.MULTICAST"] == 0 and multi["CALL.ABS.NOINC"] == 1
+    store, bulk = S.opcodes(b.sass, "tma_store_box"), S.opcodes(b.sass, "bulk_copy_1d")
+    assert store["UTMACCTL.PF"] == 1 and store["FENCE.VIEW.ASYNC.S"] == 1 and store["UTMASTG.2D"] == 1   # prefetch, fence, store
+    assert store["DEPBAR.LE"] == 1                                                # cp.async.bulk.wait_group.read 0
+    assert bulk["UBLKCP.S.G"] == 1 and bulk["UBLKCP.G.S"] == 1 and bulk["CALL.ABS.NOINC"] == 0
+    if arch == "sm120":     # no multicast instruction; peer-CTA destinations go through a called routine
+        assert not any(k.startswith("UTMALDG") for k in multi) and multi["CALL.ABS.NOINC"] == 1
+        assert one["CALL.ABS.NOINC"] == 1 and "SR_CgaCtaId" in S.split_functions(b.sass)["tma_load_box"]
     else:
-        assert multi["UTMALDG.2D.MULTICAST"] == 1
+        assert multi["UTMALDG.2D.MULTICAST"] == 1 and one["CALL.ABS.NOINC"] == multi["CALL.ABS.NOINC"] == 0
+
+
+def test_ptxas_advises_against_multicast_on_sm120_only():
+    notes = {arch: P.advisories(P.MULTICAST_TMA, arch) for arch in ("sm90", "sm100", "sm120")}
+    assert notes["sm90"] == notes["sm100"] == []
+    assert len(notes["sm120"]) == 1 and "substantially reduced performance" in notes["sm120"][0]
+    with pytest.raises(ki.CompileError, match="ptxas refused"):
+        P.advisories("not.an.instruction;", "sm90")
 
 
 def test_tma_kernel_needs_sm90():
@@ -248,3 +333,29 @@ def test_gpu_tma_multicast_fills_both_ctas():
     mod.launch("tma_multicast_box", 2, 128, cuda_launch.encode_tensor_map(tm.arguments()), out, 0, 0, tm.box_bytes)
     want = T.smem_image(tm, T.load_box(tm, x.cpu(), (0, 0)))
     assert torch.equal(out[0].cpu(), want) and torch.equal(out[1].cpu(), want)
+
+
+@GPU
+@pytest.mark.parametrize("mode, coords", [("128B", (0, 0)), ("64B", (0, 40)), ("none", (8, -8))])
+def test_gpu_tma_store_matches_the_emulation(mode, coords):
+    from kernels import cuda_launch
+
+    cols = {"none": 64, "64B": 32, "128B": 64}[mode]
+    x = halves((72, cols), 24).cuda()
+    tm = T.encode_tiled(x, (64, cols if mode != "none" else 32), swizzle=mode)
+    image = T.smem_image(tm, halves(tuple(reversed(tm.box_dim)), 25))
+    want = x.cpu().clone()
+    T.tma_store(tm, want, coords, image, 0)
+    cuda_launch.load("tma").launch("tma_store_box", 1, 128, cuda_launch.encode_tensor_map(tm.arguments()),
+                                   image.cuda(), coords[0], coords[1], tm.box_bytes)
+    assert torch.equal(x.cpu(), want)
+
+
+@GPU
+def test_gpu_bulk_copy_1d_round_trip():
+    from kernels import cuda_launch
+
+    src = torch.arange(4096, dtype=torch.int32, device="cuda")          # 16 KiB
+    dst = torch.full_like(src, -1)
+    cuda_launch.load("tma").launch("bulk_copy_1d", 1, 128, src, dst, 4000 * 4)
+    assert torch.equal(dst[:4000], src[:4000]) and (dst[4000:] == -1).all()

@@ -195,6 +195,20 @@ def test_wgmma_sass_sm90(sm90):
     assert S.opcodes(sm90.sass, "wgmma_gemm_sw128")["HGMMA.64"] == 4     # four k16 steps
 
 
+def test_wgmma_register_a_fp8_and_pipelined_forms_sass():
+    b = ki.compile_cuda("wgmma_forms", arch="sm90")
+    rs = [l for l in S.listing(b.sass, "wgmma_rs_m64n64k16") if l.startswith("HGMMA")]
+    assert len(rs) == 1 and rs[0].split()[2].startswith("R") and "gdesc" in rs[0].split()[3]   # A: a register, B: a descriptor
+    fp8 = [l for l in S.listing(b.sass, "wgmma_fp8_m64n64k32") if "GMMA" in l]
+    assert len(fp8) == 1 and fp8[0].startswith("QGMMA.64x64x32.F32.E4M3.E4M3 ")
+    waits = [l for l in S.listing(b.sass, "wgmma_pipelined") if l.startswith("WARPGROUP.DEPBAR.LE")]
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in waits and waits[-1] == "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+    for k in ("wgmma_rs_m64n64k16", "wgmma_fp8_m64n64k32", "wgmma_pipelined"):
+        assert b.metadata["resources"][k]["LOCAL"] == 0
+    with pytest.raises(ki.CompileError, match="Arguments mismatch for instruction 'wgmma.mma_async'"):
+        ki.compile_cuda("wgmma_forms", arch="sm90", flags=("-DWGMMA_FP8_TRANS",))   # fp8 has no transpose
+
+
 @pytest.mark.parametrize("arch", ["sm100", "sm120"])
 def test_wgmma_is_refused_off_hopper(arch):
     with pytest.raises(ki.CompileError, match="not supported on .target"):

@@ -92,24 +92,63 @@ def ldmatrix(smem: torch.Tensor, row_addresses, num: int, trans: bool = False, *
     address must be 16-byte aligned, a multiple of 8 elements). Returns ``(32, num, 2)``: what
     each lane's register r holds, low half first.
     """
-    _check_num(num)
-    if not isinstance(smem, torch.Tensor) or smem.dim() != 1 or smem.element_size() != 2:
-        raise ValueError("ldmatrix: smem must be a 1-D tensor of 16-bit elements (float16, bfloat16, int16)")
-    addresses = [int(a) for a in row_addresses]
-    if len(addresses) != WARP:
-        raise ValueError(f"ldmatrix: row_addresses needs one entry per lane (32), got {len(addresses)}")
+    addresses = _row_addresses(smem, row_addresses, num, "ldmatrix")
     # rows[m][r] = the 8 elements of row r of matrix m, read from the address lane 8m + r supplied
     rows = torch.empty((num, 8, 8), dtype=smem.dtype)
     for lane in ldmatrix_address_lanes(num):
-        a = addresses[lane]
-        if a % 8:
-            raise ValueError(f"ldmatrix: lane {lane}'s row address {a} is not 16-byte aligned (a multiple of 8 elements)")
-        if a < 0 or a + 8 > smem.numel():
-            raise ValueError(f"ldmatrix: lane {lane}'s row {a}..{a + 7} is outside shared memory of {smem.numel()} elements")
-        rows[lane // 8, lane % 8] = smem[a:a + 8]
+        rows[lane // 8, lane % 8] = smem[addresses[lane]:addresses[lane] + 8]
     lay = ldmatrix_layout(num, trans) if layout is None else np.asarray(layout)
     m, r, c = (torch.as_tensor(lay[..., k]) for k in range(3))
     return rows[m, r, c]  # (32, num, 2)
+
+
+def _row_addresses(smem: torch.Tensor, row_addresses, num: int, op: str) -> list[int]:
+    """The 32 lanes' row addresses, checked as ``ldmatrix``/``stmatrix`` need them (lanes 0 .. 8 num - 1
+    read: 16-byte aligned, inside ``smem``, a 1-D tensor of 16-bit elements)."""
+    _check_num(num)
+    if not isinstance(smem, torch.Tensor) or smem.dim() != 1 or smem.element_size() != 2:
+        raise ValueError(f"{op}: smem must be a 1-D tensor of 16-bit elements (float16, bfloat16, int16)")
+    addresses = [int(a) for a in row_addresses]
+    if len(addresses) != WARP:
+        raise ValueError(f"{op}: row_addresses needs one entry per lane (32), got {len(addresses)}")
+    for lane in ldmatrix_address_lanes(num):
+        a = addresses[lane]
+        if a % 8:
+            raise ValueError(f"{op}: lane {lane}'s row address {a} is not 16-byte aligned (a multiple of 8 elements)")
+        if a < 0 or a + 8 > smem.numel():
+            raise ValueError(f"{op}: lane {lane}'s row {a}..{a + 7} is outside shared memory of {smem.numel()} elements")
+    return addresses
+
+
+def stmatrix(smem: torch.Tensor, row_addresses, regs: torch.Tensor, trans: bool = False) -> torch.Tensor:
+    """Emulate ``stmatrix.sync.aligned.m8n8.x{num}[.trans].shared.b16`` (sm_90): ldmatrix run backwards.
+
+    ``regs`` (32, num, 2) is what each lane's register r holds, low half first, in ldmatrix's layout;
+    lane 8m + r supplies the address of row r of matrix m. Writes those rows into ``smem`` (in place)
+    and returns it."""
+    if regs.dim() != 3 or regs.shape[0] != WARP or regs.shape[2] != 2:
+        raise ValueError(f"stmatrix: regs must be (32, num, 2), got {tuple(regs.shape)}")
+    num = regs.shape[1]
+    addresses = _row_addresses(smem, row_addresses, num, "stmatrix")
+    lay = ldmatrix_layout(num, trans)
+    rows = torch.empty((num, 8, 8), dtype=smem.dtype)
+    rows[tuple(torch.as_tensor(lay[..., k]) for k in range(3))] = regs.to(smem.dtype)
+    for lane in ldmatrix_address_lanes(num):
+        smem[addresses[lane]:addresses[lane] + 8] = rows[lane // 8, lane % 8]
+    return smem
+
+
+def movmatrix(regs: torch.Tensor) -> torch.Tensor:
+    """Emulate ``movmatrix.sync.aligned.m8n8.trans.b16``: ``regs`` (32, 2) hold an 8x8 matrix M in the
+    ldmatrix layout (lane l: row l // 4, columns 2 (l % 4) + j); returns the registers of M^T in the
+    same layout. A transpose across the warp's registers, no shared memory."""
+    if tuple(regs.shape) != (WARP, 2):
+        raise ValueError(f"movmatrix: regs must be (32, 2), got {tuple(regs.shape)}")
+    lay = ldmatrix_layout(1)[:, 0]                       # (32, 2, 3): (matrix, row, col) per lane and half
+    r, c = torch.as_tensor(lay[..., 1]), torch.as_tensor(lay[..., 2])
+    M = torch.empty((8, 8), dtype=regs.dtype)
+    M[r, c] = regs
+    return M.T[r, c]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,6 +259,55 @@ def mma_from_matrices(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor | None =
     c = None if C is None else to_fragments(C.float(), "c")
     d = mma_m16n8k16(to_fragments(A.half(), "a"), to_fragments(B.half(), "b"), c)
     return from_fragments(d, "c")
+
+
+
+def c_to_a(c_left: torch.Tensor, c_right: torch.Tensor) -> torch.Tensor:
+    """The A fragments (32, 8) fp16 of a 16x16 tile whose columns 0..7 are the accumulator ``c_left``
+    and 8..15 ``c_right`` (each (32, 4) fp32). By the layouts, a_i = c_left's c_i for i < 4 and
+    c_right's c_(i-4) for i >= 4 *in the same lane*: each thread only rounds and packs its own values
+    (FlashAttention-2's P kept in registers for P V)."""
+    for name, c in (("c_left", c_left), ("c_right", c_right)):
+        if tuple(c.shape) != (32, 4) or c.dtype != torch.float32:
+            raise ValueError(f"c_to_a: {name} must be float32 of shape (32, 4), got {c.dtype} {tuple(c.shape)}")
+    return torch.cat([c_left, c_right], dim=1).half()
+
+
+def mma_k32_layout(operand: str) -> np.ndarray:
+    """``[lane, i] = (row, col)`` of the 8-bit operands of ``mma.m16n8k32`` (``.e4m3``/``.e5m2``, and
+    ``.s8``/``.u8``): A (16x32, row) 16 elements per lane, B (32x8, col) 8. C/D is m16n8k16's."""
+    lanes = _lanes()
+    g, t = group_id(lanes), thread_in_group(lanes)
+    if operand == "a":
+        i = np.arange(16)[None, :]
+        row = g[:, None] + 8 * ((i // 4) % 2)
+        col = 4 * t[:, None] + (i % 4) + 16 * (i // 8)
+    elif operand == "b":
+        i = np.arange(8)[None, :]
+        row = 4 * t[:, None] + (i % 4) + 16 * (i // 4)
+        col = np.broadcast_to(g[:, None], (WARP, 8))
+    else:
+        raise ValueError(f"operand must be 'a' or 'b' (C/D is the m16n8k16 layout), got {operand!r}")
+    row, col = np.broadcast_arrays(row, col)
+    return np.stack([row, col], axis=-1).astype(np.int64)
+
+
+def register_bytes(layout: np.ndarray, operand: str, elem_bytes: int) -> list[list[frozenset]]:
+    """For each lane and 32-bit register, the bytes it holds as (line, byte) pairs, where a line is a
+    row of A or a column of B (the K-contiguous direction of a row-major A and a "col" B)."""
+    lay = np.asarray(layout)
+    per_reg = 4 // elem_bytes
+    out = []
+    for lane in range(lay.shape[0]):
+        regs = []
+        for r in range(lay.shape[1] // per_reg):
+            cells = set()
+            for row, col in lay[lane, r * per_reg:(r + 1) * per_reg]:
+                line, k = (row, col) if operand == "a" else (col, row)
+                cells.update((int(line), int(k) * elem_bytes + j) for j in range(elem_bytes))
+            regs.append(frozenset(cells))
+        out.append(regs)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

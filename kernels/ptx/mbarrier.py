@@ -59,12 +59,16 @@ class MBarrier:
             self.phase += 1
             self.pending = self.expected
 
-    def arrive(self, count: int = 1) -> int:
+    def arrive(self, count: int = 1, no_complete: bool = False) -> int:
         """``mbarrier.arrive``: pending -= count. Returns the phase parity before the arrival (the
-        ISA's opaque ``state`` carries the phase; its parity is what a later wait would test)."""
+        ISA's opaque ``state`` carries the phase; its parity is what a later wait would test).
+        ``no_complete``: ``mbarrier.arrive.noComplete``, which the ISA leaves undefined if it completes
+        the phase (an error here)."""
         if count < 1 or count > self.pending:
             raise MBarrierError(f"arrive({count}) with {self.pending} arrivals pending in phase {self.phase}: "
                                 "the PTX ISA defines no effect for more arrivals than a phase expects")
+        if no_complete and count == self.pending and self.tx == 0:
+            raise MBarrierError(f"arrive.noComplete({count}) would complete phase {self.phase}: undefined in the PTX ISA")
         before = self.parity
         self.pending -= count
         self._complete_if_done()
@@ -98,6 +102,100 @@ class MBarrier:
     def state(self) -> tuple[int, int, int]:
         """(phase, pending arrivals, tx-count)."""
         return self.phase, self.pending, self.tx
+
+
+class CpAsyncThread:
+    """One thread's cp.async copies and its ``cp.async.mbarrier.arrive`` (PTX ISA, sm_80).
+
+    ``copy`` issues a copy that has not landed; ``mbarrier_arrive(bar, noinc)`` makes ``bar`` track
+    every copy this thread has issued so far and arrive on it once they have all landed. Without
+    ``.noinc`` the pending count is raised by one first, so that asynchronous arrival nets to zero and
+    the thread must still arrive itself; with ``.noinc`` it is the thread's arrival. ``land(i)``
+    lands the i-th copy (any order: the copies of one thread are not ordered among themselves)."""
+
+    def __init__(self):
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.landed: set[int] = set()
+        self.trackers: list[tuple[set[int], MBarrier]] = []   # (copies still in flight, barrier to arrive on)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        self.copies.append((dst, src))
+        return len(self.copies) - 1
+
+    def mbarrier_arrive(self, bar: MBarrier, noinc: bool = False) -> None:
+        if not noinc:
+            if bar.pending + 1 > MAX_COUNT:
+                raise MBarrierError(f"cp.async.mbarrier.arrive takes the pending count past {MAX_COUNT}")
+            bar.pending += 1
+        waiting = set(range(len(self.copies))) - self.landed
+        if waiting:
+            self.trackers.append((waiting, bar))
+        else:
+            bar.arrive()                      # nothing in flight: the arrival happens at once
+
+    def land(self, i: int) -> None:
+        if i in self.landed or not 0 <= i < len(self.copies):
+            raise ValueError(f"copy {i} is not in flight")
+        dst, src = self.copies[i]
+        dst.copy_(src)
+        self.landed.add(i)
+        for waiting, bar in self.trackers:
+            if i in waiting:
+                waiting.discard(i)
+                if not waiting:
+                    bar.arrive()
+        self.trackers = [(w, b) for w, b in self.trackers if w]
+
+
+
+ARRIVALS = ("cp.async.noinc", "cp.async+arrive", "cp.async", "arrive")
+
+
+def cp_async_tile_sum(x: torch.Tensor, arrival: str = "cp.async.noinc", land_order: list[int] | None = None) -> float:
+    """Emulate ``cp_async_arrive_sum`` of ``kernels/cuda/mbarrier_cp_async.cu``: the sum of ``x``
+    (threads, elements per thread), copied into NaN-filled shared memory by one cp.async per thread,
+    then summed by a consumer that waits on ``full`` (initialised with one arrival per thread).
+
+    ``arrival`` is what each copying thread does after its copy:
+
+    * ``"cp.async.noinc"``: ``cp.async.mbarrier.arrive.noinc`` (the kernel's choice);
+    * ``"cp.async+arrive"``: ``cp.async.mbarrier.arrive`` then ``mbarrier.arrive`` (also correct);
+    * ``"cp.async"``: ``cp.async.mbarrier.arrive`` alone: each asynchronous arrival nets to zero,
+      so the phase never completes (:class:`Deadlock`);
+    * ``"arrive"``: a plain ``mbarrier.arrive``: it does not wait for the copy, so the phase completes
+      before the bytes land and the consumer sums NaN.
+
+    Copies land as late as the consumer's wait allows, in ``land_order`` (default: thread order).
+    """
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_COUNT:
+        raise ValueError(f"x must be (threads, elements per thread) with 1..{MAX_COUNT} threads, got {tuple(x.shape)}")
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
+    threads = x.shape[0]
+    order = list(range(threads)) if land_order is None else list(land_order)
+    if sorted(order) != list(range(threads)):
+        raise ValueError(f"land_order must be a permutation of range({threads})")
+    tile = torch.full_like(x, float("nan"))
+    full = MBarrier(threads)
+    copier = [CpAsyncThread() for _ in range(threads)]
+    for t, th in enumerate(copier):                    # every copying thread issues, reports, leaves
+        th.copy(tile[t], x[t])
+        if arrival == "arrive":
+            full.arrive()
+        else:
+            th.mbarrier_arrive(full, noinc=arrival == "cp.async.noinc")
+            if arrival == "cp.async+arrive":
+                full.arrive()
+    in_flight = list(order)
+    while not full.try_wait_parity(0):                 # the consumer's wait; copies land only now
+        if not in_flight:
+            raise Deadlock(f"consumer waits on full parity 0: every copy landed, {full.pending} arrivals still pending")
+        copier[in_flight[0]].land(0)
+        in_flight.pop(0)
+    total = float(tile.double().sum())
+    for t in in_flight:                                # the rest land before the kernel exits
+        copier[t].land(0)
+    return total
 
 
 # ---------------------------------------------------------------------------------------------

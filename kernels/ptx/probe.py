@@ -154,3 +154,25 @@ def support_matrix(archs=PROBE_ARCHS, keys=None) -> dict[str, dict[str, Probe]]:
             msgs = [msg for line, msg in sorted(errors.items()) if lo <= line <= hi]
             result[k][target] = Probe(k, target, not msgs, msgs[0] if msgs else "")
     return result
+
+
+def advisories(snippet: str, arch: str) -> list[str]:
+    """ptxas's warnings (its "Advisory" notes included) for ``snippet`` assembled for ``arch``;
+    a CompileError if ptxas refuses the snippet. This is how NVIDIA's assembler says that an
+    accepted instruction is not meant for a target."""
+    target = _target(arch)
+    ptxas = str(kinspect.tool("ptxas"))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.ptx"
+        src.write_text(program(snippet, target))
+        proc = subprocess.run([ptxas, f"-arch={target}", str(src), "-o", str(Path(tmp) / "probe.cubin")],
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise kinspect.CompileError(f"ptxas refused the snippet for {target}: {proc.stderr.strip()}")
+    return [ln.split("warning :", 1)[-1].strip() for ln in (proc.stderr + proc.stdout).splitlines() if "warning" in ln]
+
+
+# multicast TMA, the form that kernels/cuda/tma.cu's tma_multicast_box issues (16-bit CTA mask in a .b16)
+MULTICAST_TMA = (".reg .b16 mask; mov.b16 mask, 3;\n"
+                 "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [sa], [rd0, {r0, r1}], [sa], mask;")

@@ -26,3 +26,20 @@ def opcodes(sass: str, function: str) -> Counter:
     if function not in funcs:
         raise KeyError(f"no kernel {function!r} in this SASS; it has {', '.join(sorted(funcs))}")
     return kinspect.instructions(funcs[function], "sass")
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+
+
+def listing(sass: str, function: str) -> list[str]:
+    """One kernel's instructions in program order, as text without addresses and encodings
+    (``"@P0 MEMBAR.ALL.GPU"``, ``"SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [UR4], RZ"``); NOPs left out."""
+    funcs = split_functions(sass)
+    if function not in funcs:
+        raise KeyError(f"no kernel {function!r} in this SASS; it has {', '.join(sorted(funcs))}")
+    out = []
+    for m in _INSTRUCTION.finditer(funcs[function]):
+        text = " ".join(m.group(1).split())
+        if text.split()[-1] != "NOP" and text != "NOP":
+            out.append(text)
+    return out

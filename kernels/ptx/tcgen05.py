@@ -136,18 +136,26 @@ class TensorMemory:
     def __init__(self):
         self.cells = torch.full((LANES, COLUMNS), float("nan"))     # stale contents until written
         self.owner: list[str | None] = [None] * COLUMNS
+        self.relinquished: set[str] = set()    # CTAs that gave up the right to allocate
 
     def alloc(self, ncols: int, who: str = "cta") -> int:
         """``tcgen05.alloc``: ``ncols`` columns (a power of two, 32..512), aligned to their size.
         Hardware blocks while none are free; here that is an error naming the holders."""
         if ncols < 32 or ncols > COLUMNS or ncols & (ncols - 1):
             raise ValueError(f"tcgen05.alloc takes a power of two from 32 to 512 columns, got {ncols}")
+        if who in self.relinquished:
+            raise RuntimeError(f"{who} executed tcgen05.relinquish_alloc_permit: the PTX ISA makes a later alloc illegal")
         for base in range(0, COLUMNS, ncols):
             if all(o is None for o in self.owner[base: base + ncols]):
                 self.owner[base: base + ncols] = [who] * ncols
                 return taddr(0, base)
         holders = sorted({o for o in self.owner if o})
         raise RuntimeError(f"no {ncols} free aligned columns (held by {', '.join(holders)}): tcgen05.alloc would block")
+
+    def relinquish_alloc_permit(self, who: str = "cta") -> None:
+        """``tcgen05.relinquish_alloc_permit``: ``who`` promises to allocate no more. Columns it holds
+        stay allocated until it deallocates them."""
+        self.relinquished.add(who)
 
     def dealloc(self, addr: int, ncols: int) -> None:
         col = addr & 0xFFFF
@@ -180,6 +188,18 @@ class TensorMemory:
                              f"got lane {lane}")
         self._check(col, num)
         return self.cells[lane: lane + 32, col: col + num].clone()
+
+    def st_32x32b(self, addr: int, warp: int, regs: torch.Tensor) -> None:
+        """``tcgen05.st.sync.aligned.32x32b.x<num>`` by warp ``warp``: thread t's ``num`` registers
+        (``regs`` is (32, num)) go to lane 32 (warp % 4) + t, consecutive columns; ld's rule runs backwards."""
+        lane, col = addr >> 16, addr & 0xFFFF
+        if lane != 32 * (warp % 4):
+            raise ValueError(f"warp {warp} may access TMEM lanes {32 * (warp % 4)}..{32 * (warp % 4) + 31} only, "
+                             f"got lane {lane}")
+        if regs.dim() != 2 or regs.shape[0] != 32:
+            raise ValueError(f"regs must be (32 threads, num registers), got {tuple(regs.shape)}")
+        self._check(col, regs.shape[1])
+        self.cells[lane: lane + 32, col: col + regs.shape[1]] = regs.to(self.cells.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -153,6 +153,48 @@ def tma_load_multicast(tmap: TensorMap, x: torch.Tensor, coords: tuple[int, ...]
             tma_load(tmap, x, coords, smems[rank], offset, bars[rank])
 
 
+def box_from_image(tmap: TensorMap, image: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`smem_image`: the box (torch order) whose shared-memory image is ``image``."""
+    shape = tuple(reversed(tmap.box_dim))
+    if tmap.swizzle == "none":
+        return image.clone().view(dtype).reshape(shape)
+    chunks = image.reshape(-1, 16)
+    src = torch.tensor([wgmma.swizzle(16 * i, tmap.swizzle) // 16 for i in range(chunks.shape[0])])
+    return chunks[src].reshape(-1).view(dtype).reshape(shape)
+
+
+def tma_store(tmap: TensorMap, x: torch.Tensor, coords: tuple[int, ...], smem: torch.Tensor, offset: int,
+              *, add: bool = False) -> None:
+    """``cp.async.bulk.tensor ... .global.shared::cta.bulk_group``: un-swizzle the box image at
+    ``offset`` of ``smem`` and write it into ``x`` at ``coords`` (innermost first). Elements of the box
+    that fall outside the tensor are **not written**: the store clips where the load fills.
+    ``add``: ``cp.reduce.async.bulk.tensor ... .add``, which adds the box to ``x`` instead."""
+    if len(coords) != tmap.rank:
+        raise ValueError(f"coords needs {tmap.rank} coordinates (innermost first), got {coords}")
+    box = box_from_image(tmap, smem[offset: offset + tmap.box_bytes], x.dtype)
+    src, dst = [], []
+    for c, b, n in zip(reversed(coords), reversed(tmap.box_dim), reversed(tmap.global_dim)):
+        lo, hi = max(c, 0), min(c + b, n)                     # the part of this side inside the tensor
+        if hi <= lo:
+            return
+        dst.append(slice(lo, hi))
+        src.append(slice(lo - c, hi - c))
+    if add:
+        x[tuple(dst)] += box[tuple(src)]
+    else:
+        x[tuple(dst)] = box[tuple(src)]
+
+
+def check_bulk_copy(size: int, *addresses: int) -> None:
+    """The rules of a 1-D ``cp.async.bulk``: a size that is a positive multiple of 16 bytes and
+    16-byte aligned source and destination (PTX ISA, cp.async.bulk)."""
+    if size <= 0 or size % 16:
+        raise ValueError(f"size must be a positive multiple of 16 bytes, got {size}")
+    bad = [hex(a) for a in addresses if a % 16]
+    if bad:
+        raise ValueError(f"cp.async.bulk addresses must be 16-byte aligned, got {', '.join(bad)}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The same load in Triton: a tensor descriptor (TMA on sm90+, emulated by the interpreter on a CPU)
 
