@@ -12,9 +12,9 @@ Three policies choose, from a prompt of P cached tokens, ``budget`` of them to k
   (``pool`` wide, so a chosen key brings its neighbours; average pooling of width 5 by default, as
   the authors' code runs it), keeps the top ``budget - window`` earlier keys plus the window itself.
   Per head.
-* H2O-mean (a diagnostic, not a published policy): H2O with each key's accumulated attention divided
-  by the number of prompt queries that could see it (P - j), which removes the causal mask's bias
-  towards early keys.
+* H2O-mean (a diagnostic, not a published policy): H2O with each key ranked by the mean, over the
+  P - j prompt queries that could see it, of its attention relative to a uniform row ((i + 1) A_ij for
+  row i), which is exactly 1 for every key under uniform causal attention: no bias towards early keys.
 
 And one policy that evicts nothing: Quest (Tang et al. 2024) keeps every prompt token and lets each
 decode query choose ``budget // page`` pages of the prompt by an upper bound of its scores, from each
@@ -71,10 +71,13 @@ def accumulated_attention(probs: torch.Tensor) -> torch.Tensor:
 
 
 def mean_attention(probs: torch.Tensor) -> torch.Tensor:
-    """H2O's scores divided by the number of queries that could attend to each key: key j of a causal
-    P-token prompt is seen by the P - j rows j..P-1, so the plain column sum favours early keys."""
+    """probs (B, Hkv, group, P, P) -> (B, Hkv, P): for key j, the mean over the P - j rows i >= j that can
+    see it of (i + 1) A_ij, its attention relative to a uniform row of i + 1 keys (summed over the group).
+    The plain column sum favours early keys twice: more rows see them, and early rows spread their
+    attention over fewer keys; under uniform causal attention this score is 1 for every key."""
     P = probs.shape[-1]
-    return accumulated_attention(probs) / torch.arange(P, 0, -1, dtype=probs.dtype)
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]            # row i times i + 1
+    return accumulated_attention(relative) / torch.arange(P, 0, -1, dtype=probs.dtype)
 
 
 def h2o_keep(scores: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
