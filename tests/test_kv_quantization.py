@@ -118,6 +118,24 @@ def test_kernel_matches_reference(name, hq, hkv, D):
     assert bool((out[lens == 0] == 0).all())
 
 
+@pytest.mark.parametrize("name,hq,hkv,D", [("int8", 4, 2, 32), ("kivi2", 8, 2, 32), ("nvfp4", 4, 2, 32),
+                                           ("fp8", 3, 1, 24)])
+def test_tensor_core_variant_by_the_baseline_rule(name, hq, hkv, D):
+    """tl.dot on fp16 casts of the dequantized tiles: its error against the fp32 reference is at most
+    twice PyTorch's own fp16 attention's over the same dequantized cache, plus a rounding floor (the
+    rule of the FlashAttention tests); a scale read per head is still caught under that rule."""
+    q, k, v, Kq, Vq, table, lens, qlens, res = _pool(name, hq=hq, hkv=hkv, D=D)
+    q, res = q.half(), tuple(r.half() for r in res)
+    out = kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, tensor_cores=True)
+    assert not out.isnan().any(), "a NaN canary was read"
+    ref = kq.quant_paged_decode_ref(q.float(), Kq, Vq, table, lens, qlens, tuple(r.float() for r in res))
+    base = kq.quant_paged_decode_ref(q, Kq, Vq, table, lens, qlens, res, compute_dtype=torch.float16)
+    assert_close(out, ref, dtype=torch.float16, baseline=base)
+    bad = kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, tensor_cores=True, _broken="scale-per-head")
+    with pytest.raises(MismatchError):
+        assert_close(bad, ref, dtype=torch.float16, baseline=base)
+
+
 def test_kernel_tile_smaller_than_a_page():
     q, k, v, Kq, Vq, table, lens, qlens, res = _pool("kivi2", lens=(45, 29))
     out = kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, block_s=4)
@@ -178,6 +196,8 @@ def test_bad_inputs_are_refused():
         kq.Spec("nvfp4", 4)
     with pytest.raises(ValueError, match="_broken"):
         kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, _broken="typo")
+    with pytest.raises(ValueError, match="tensor_cores needs tiles of >= 16"):
+        kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, block_s=8, tensor_cores=True)
 
 
 def test_per_head_scales_through_the_kernel():
@@ -365,6 +385,9 @@ def test_compile_jobs_at_llama3_8b():
     regs = {label: b["sm90"].metadata["registers"] for label, b in zip(jobs, builds)}
     assert regs["Llama-3-8B, int8, BLOCK_S 16"] >= 240                     # the float kernel's tile: at the ceiling
     assert all(r < 192 for label, r in regs.items() if "BLOCK_S 8" in label)   # the chosen tile: room to spare
+    dot = dict(zip(jobs, builds))["Llama-3-8B, int8, BLOCK_S 16, tl.dot"]["sm90"]
+    assert regs["Llama-3-8B, int8, BLOCK_S 16, tl.dot"] <= regs["Llama-3-8B, int8, BLOCK_S 16"] // 2 + 8
+    assert any(op.startswith("HMMA") for op in ki.instructions(dot.sass, "sass"))   # on tensor cores
 
 
 def test_grouped_per_token_scales_through_the_kernel():

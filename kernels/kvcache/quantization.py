@@ -289,11 +289,14 @@ def fake_quantize(x: torch.Tensor, spec: Spec | None, head_amax: torch.Tensor | 
 
 # ---------------------------------------------------------------- the reference decode
 
-def quant_paged_decode_ref(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=None, residual=None):
+def quant_paged_decode_ref(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=None, residual=None, *,
+                           compute_dtype: torch.dtype | None = None):
     """Dequantize the pages in PyTorch, gather positions 0..Lq-1 through the table, append the residual
-    positions Lq..L-1, attend in fp32 (fp64 for fp64 queries). Returns (B, Hq, D) in q's dtype."""
+    positions Lq..L-1, attend in fp32 (fp64 for fp64 queries). Returns (B, Hq, D) in q's dtype.
+    ``compute_dtype=torch.float16`` is PyTorch's own attention in fp16 over the dequantized cache: the
+    baseline of :func:`kernels.testing.assert_close` for the tensor-core variant."""
     B, Hq, D = q.shape
-    wide = torch.promote_types(q.dtype, torch.float32)
+    wide = compute_dtype or torch.promote_types(q.dtype, torch.float32)
     qlens = seqlens if qlens is None else qlens
     k_pages, v_pages = dequantize_pages(kq).to(wide), dequantize_pages(vq).to(wide)   # (pages, Hkv, P, D)
     out = torch.zeros(B, Hq, D, dtype=wide)
@@ -344,15 +347,23 @@ def _dequant_tile(c_ptr, s_ptr, z_ptr, page, hk, slot, d, mask,
 
 
 @triton.jit
-def _online_update(q, k, v, ok, m, l, acc):
-    """One tile of the online softmax: scores (BLOCK_G, n) in log2 units; m, l, acc rescaled."""
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+def _online_update(q, k, v, ok, m, l, acc, DOT: tl.constexpr):
+    """One tile of the online softmax: scores (BLOCK_G, n) in log2 units; m, l, acc rescaled. DOT: both
+    products on tensor cores (the dequantized tiles cast to fp16, fp32 accumulation; BLOCK_G and the
+    tile padded to 16), otherwise a 3-D broadcast product reduced on CUDA cores."""
+    if DOT:
+        scores = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))             # (BLOCK_G, BLOCK_S) fp32
+    else:
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
     scores = tl.where(ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)                                    # l' = alpha l + sum p
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    if DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))    # (BLOCK_G, BLOCK_D)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return m_new, l, acc
 
 
@@ -367,7 +378,7 @@ def _quant_paged_decode_kernel(
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_ZERO: tl.constexpr, K_FP4: tl.constexpr,
     V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FP4: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr,
 ):
     """One program per (sequence b, K/V head hk): the quantized tiles of positions 0..Lq-1 through the
     page table, dequantized in registers, then the residual positions Lq..L-1, one online softmax."""
@@ -392,7 +403,7 @@ def _quant_paged_decode_kernel(
                           stride_ksp, stride_ksh, stride_kss, stride_ksd, k_gscale, K_BITS, K_GROUP, K_ZERO, K_FP4)
         v = _dequant_tile(vc_ptr, vs_ptr, vz_ptr, page, hk, slot, d, mask, stride_vcp, stride_vch, stride_vcs,
                           stride_vsp, stride_vsh, stride_vss, stride_vsd, v_gscale, V_BITS, V_GROUP, V_ZERO, V_FP4)
-        m, l, acc = _online_update(q, k, v, ok, m, l, acc)
+        m, l, acc = _online_update(q, k, v, ok, m, l, acc, DOT)
     if HAS_RESIDUAL:
         base = b.to(tl.int64) * stride_rb + hk * stride_rh
         for r0 in range(0, L - Lq, BLOCK_S):                      # full-precision positions Lq + j
@@ -401,7 +412,7 @@ def _quant_paged_decode_kernel(
             off = base + (r0 + s)[:, None] * stride_rs + d[None, :]
             k = tl.load(rk_ptr + off, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(rv_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            m, l, acc = _online_update(q, k, v, ok, m, l, acc)
+            m, l, acc = _online_update(q, k, v, ok, m, l, acc, DOT)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     g = tl.arange(0, BLOCK_G)
     offs = b.to(tl.int64) * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :] * stride_od
@@ -472,7 +483,8 @@ def _gscale(qp: QPages) -> float:
     return 1.0 if qp.gscale is None or qp.gscale.is_meta else float(qp.gscale)
 
 
-def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, block_s: int, broken: str | None = None):
+def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, block_s: int, broken: str | None = None,
+          tensor_cores: bool = False):
     """(grid, args, kwargs) of one launch, shared by :func:`quant_paged_decode` and :func:`launch_job`."""
     B, Hq, D = q.shape
     pages, Hkv, P, _ = kq.codes.shape
@@ -491,17 +503,21 @@ def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, bl
     def zero(qp):
         return qp.zero is not None and broken != "no-zero-point"
 
-    kwargs = dict(PAGE=P, BLOCK_S=block_s, BLOCK_G=triton.next_power_of_2(Hq // Hkv), BLOCK_D=triton.next_power_of_2(D),
+    block_g = triton.next_power_of_2(Hq // Hkv)
+    kwargs = dict(PAGE=P, BLOCK_S=block_s, BLOCK_G=max(16, block_g) if tensor_cores else block_g,   # tl.dot: M >= 16
+                  BLOCK_D=triton.next_power_of_2(D),
                   K_BITS=kq.spec.bits, K_GROUP=group(kq), K_ZERO=zero(kq), K_FP4=kq.spec.fmt == "nvfp4",
                   V_BITS=vq.spec.bits, V_GROUP=group(vq), V_ZERO=zero(vq), V_FP4=vq.spec.fmt == "nvfp4",
-                  HAS_RESIDUAL=residual is not None)
+                  HAS_RESIDUAL=residual is not None, DOT=tensor_cores)
     return (B, Hkv), args, kwargs
 
 
 def quant_paged_decode(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=None, residual=None, *,
-                       block_s: int | None = None, _broken: str | None = None) -> torch.Tensor:
+                       block_s: int | None = None, tensor_cores: bool = False, _broken: str | None = None) -> torch.Tensor:
     """Decode attention over quantized pages (and a float residual): shapes in the module docstring.
-    ``_broken`` ("scale-per-head", "no-zero-point") launches a deliberately wrong variant for the tests."""
+    ``tensor_cores``: both products by tl.dot on fp16 casts of the dequantized tiles (tiles of at least
+    16 positions, the group padded to 16 rows). ``_broken`` ("scale-per-head", "no-zero-point")
+    launches a deliberately wrong variant for the tests."""
     if _broken not in BROKEN:
         raise ValueError(f"quant_paged_decode: _broken must be one of {BROKEN}, got {_broken!r}")
     qlens = seqlens if qlens is None else qlens
@@ -513,10 +529,13 @@ def quant_paged_decode(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=No
     P = kq.codes.shape[2]
     if block_s is not None and (block_s < 1 or block_s & (block_s - 1) or block_s > P):
         raise ValueError(f"quant_paged_decode: block_s must be a power of two <= page_size={P}, got {block_s!r}")
-    block_s = block_s or default_block_s(Hq // kq.codes.shape[1], D, P)
+    block_s = block_s or (P if tensor_cores else default_block_s(Hq // kq.codes.shape[1], D, P))
+    if tensor_cores and (block_s < 16 or D < 16):
+        raise ValueError(f"quant_paged_decode: tensor_cores needs tiles of >= 16 positions and a head dim >= 16 "
+                         f"(tl.dot's smallest operand), got block_s={block_s}, D={D}")
     grid, args, kwargs = _args(q, kq, vq, block_table.contiguous(), seqlens, qlens.to(seqlens.dtype),
                                residual if bool((qlens < seqlens).any()) else None, out,
-                               block_s=block_s, broken=_broken)
+                               block_s=block_s, broken=_broken, tensor_cores=tensor_cores)
     _quant_paged_decode_kernel[grid](*args, **kwargs)
     return out
 
@@ -707,7 +726,8 @@ REAL_CONFIGS = (("Llama-3-8B", 32, 8, 128),)
 
 
 def launch_job(hq: int, hkv: int, head_dim: int, name: str, *, batch: int = 32, context: int = 8192,
-               page_size: int = 16, residual: int = 32, block_s: int | None = None, target: str = "sm90"):
+               page_size: int = 16, residual: int = 32, block_s: int | None = None, tensor_cores: bool = False,
+               target: str = "sm90"):
     """The GPU launch of :func:`quant_paged_decode` for scheme ``name`` on meta tensors: ``batch``
     sequences of ``context`` positions in ``page_size`` pages, fp16 queries, int32 tables; with a
     residual window, a (batch, Hkv, residual + page_size, D) fp16 residual buffer. ``block_s`` defaults
@@ -737,17 +757,19 @@ def launch_job(hq: int, hkv: int, head_dim: int, name: str, *, batch: int = 32, 
         res = tuple(torch.empty(batch, hkv, residual + page_size, head_dim, dtype=torch.float16, **meta) for _ in "kv")
     block_s = block_s or gpu_block_s_quant(hq // hkv, head_dim, page_size)
     grid, args, kwargs = _args(q, qpages(sch.k), qpages(sch.v), table, lens, lens, res, torch.empty_like(q),
-                               block_s=block_s)
+                               block_s=block_s, tensor_cores=tensor_cores)
     return ki.launch_job(_quant_paged_decode_kernel, *args, target=target, grid=grid, **kwargs)
 
 
 def compile_jobs() -> dict:
     """Llama-3-8B (32 q heads, 8 K/V heads, D = 128), batch 32, 8k positions in 16-position pages: int8,
-    fp8, KIVI-2 and NVFP4 at the GPU tile, and int8 at the float kernel's tile of 16 for comparison."""
+    fp8, KIVI-2 and NVFP4 at the GPU tile, and int8 at the float kernel's tile of 16 for comparison,
+    with the broadcast product and with tl.dot."""
     jobs = {}
     for label, hq, hkv, d in REAL_CONFIGS:
         bs = gpu_block_s_quant(hq // hkv, d, 16)
         for name in ("int8", "fp8", "kivi2", "nvfp4"):
             jobs[f"{label}, {name}, BLOCK_S {bs}"] = launch_job(hq, hkv, d, name)
         jobs[f"{label}, int8, BLOCK_S 16"] = launch_job(hq, hkv, d, "int8", block_s=16)
+        jobs[f"{label}, int8, BLOCK_S 16, tl.dot"] = launch_job(hq, hkv, d, "int8", block_s=16, tensor_cores=True)
     return jobs
