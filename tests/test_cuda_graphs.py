@@ -280,6 +280,15 @@ def test_cost_model():
     assert eager_step_time(1000, 4e-6, 1e-3) == pytest.approx(4e-3)          # launch bound
     assert eager_step_time(100, 4e-6, 1e-3) == pytest.approx(1e-3)           # GPU bound: launches hidden
     assert graphed_step_time(5e-6, 1e-3) == pytest.approx(1e-3)
+    # views cost host time though they launch nothing: 100 launches at 4 us + 400 views at 1 us = 0.8 ms
+    assert eager_step_time(100, 4e-6, 1e-3, views=400, view_s=1e-6) == pytest.approx(1e-3)   # under the GPU
+    assert eager_step_time(100, 4e-6, 1e-4, views=400, view_s=1e-6) == pytest.approx(8e-4)
+    # a graph's nodes each cost the GPU node_s: 2000 nodes at 0.9 us add 1.8 ms to a 1 ms roofline
+    assert graphed_step_time(5e-6, 1e-3, launches=2000, node_s=0.9e-6) == pytest.approx(2.8e-3)
+    assert eager_step_time(2000, 1e-6, 1e-3, node_s=0.9e-6) == pytest.approx(2.8e-3)   # the same floor eager
+    for bad in ({"view_s": -1e-6}, {"node_s": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            eager_step_time(10, 1e-6, 1e-3, **bad)
 
 
 # ---------------------------------------------------------------- the CUDA C++ chain

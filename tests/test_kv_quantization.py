@@ -43,9 +43,9 @@ def _pool(schemes_name, B=3, hq=4, hkv=2, D=32, lens=(40, 1, 0, 23), residual=16
     for qp in (Kq, Vq):
         for t in (qp.scale, qp.zero):
             if t is not None and t.shape[2] == P:
-                t.masked_fill_(~used[:, None, :, None], float("nan"))
+                kq.fill_nan_(t, ~used[:, None, :, None])
             elif t is not None and t.shape[0] == pages:                   # per-channel: a page's statistics
-                t.masked_fill_(~used.any(1)[:, None, None, None], float("nan"))
+                kq.fill_nan_(t, ~used.any(1)[:, None, None, None])
     R = max(1, int((seqlens - qlens).max()))
     res = [torch.full((B, hkv, R + 3, D), float("nan")) for _ in "kv"]
     for b in range(B):
@@ -76,6 +76,29 @@ def test_round_trip_error_is_half_a_step(name):
     assert bool((err > 0.25 * s).any())                             # and the codes are not exact: a real test
 
 
+def test_e2m1_codes_and_values():
+    c = torch.tensor([i for i in range(16) if i != 8], dtype=torch.uint8)     # 8 is -0, read back as +0
+    assert torch.equal(kq.e2m1_codes(kq.e2m1_values(c)), c)
+    assert kq.e2m1_values(c).tolist()[:8] == list(kq.E2M1_VALUES)
+    # halfway points go to the even code (round to nearest even); beyond 6 saturates
+    assert kq.e2m1_values(kq.e2m1_codes(torch.tensor([0.25, 0.75, 2.5, 5.0, -7.0]))).tolist() == [0, 1, 2, 4, -6]
+
+
+def test_nvfp4_round_trip_error_is_half_an_e2m1_step():
+    """|x - x_hat| <= half the E2M1 spacing at |x| / (s g): 0.25 below 2, 0.5 below 4, 1 up to 6, in
+    units of the block's step s g; the E4M3 block scale is >= amax / 6 / g up to its rounding."""
+    x = torch.randn(3, 2, P, 32) * 3 + 1
+    qp = kq.quantize_pages(x, kq.SCHEMES["nvfp4"].k)
+    assert qp.codes.shape == (3, 2, P, 16) and qp.scale.shape == (3, 2, P, 2) and qp.scale.dtype == torch.float8_e4m3fn
+    step = kq._wide(qp.scale.float(), 32) * qp.gscale
+    y = (x / step).abs()
+    half = torch.where(y <= 2, 0.25, torch.where(y <= 4, 0.5, 1.0))
+    err = (kq.dequantize_pages(qp) - x).abs()
+    assert bool((err <= half * step * 1.0001 + 1e-6).all())
+    assert bool((y <= 6 * 1.07).all())                                # E4M3 rounds the scale by at most 2^-4
+    assert bool((err > 0.1 * step).any())                              # the codes are not exact: a real test
+
+
 def test_fp8_round_trip_relative_error():
     x = torch.randn(2, 2, P, 32)
     qp = kq.quantize_pages(x, kq.Spec("fp8"))
@@ -85,7 +108,7 @@ def test_fp8_round_trip_relative_error():
 
 
 @pytest.mark.parametrize("name,hq,hkv,D", [("int8", 4, 2, 32), ("fp8", 3, 1, 24), ("int4-token", 4, 2, 32),
-                                           ("kivi4", 4, 2, 24), ("kivi2", 8, 2, 32)])
+                                           ("kivi4", 4, 2, 24), ("kivi2", 8, 2, 32), ("nvfp4", 4, 2, 32)])
 def test_kernel_matches_reference(name, hq, hkv, D):
     q, k, v, Kq, Vq, table, lens, qlens, res = _pool(name, hq=hq, hkv=hkv, D=D)
     out = kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res)
@@ -93,6 +116,24 @@ def test_kernel_matches_reference(name, hq, hkv, D):
     assert not out.isnan().any(), "a NaN canary was read"
     assert_close(out, ref, dtype=torch.float32)
     assert bool((out[lens == 0] == 0).all())
+
+
+@pytest.mark.parametrize("name,hq,hkv,D", [("int8", 4, 2, 32), ("kivi2", 8, 2, 32), ("nvfp4", 4, 2, 32),
+                                           ("fp8", 3, 1, 24)])
+def test_tensor_core_variant_by_the_baseline_rule(name, hq, hkv, D):
+    """tl.dot on fp16 casts of the dequantized tiles: its error against the fp32 reference is at most
+    twice PyTorch's own fp16 attention's over the same dequantized cache, plus a rounding floor (the
+    rule of the FlashAttention tests); a scale read per head is still caught under that rule."""
+    q, k, v, Kq, Vq, table, lens, qlens, res = _pool(name, hq=hq, hkv=hkv, D=D)
+    q, res = q.half(), tuple(r.half() for r in res)
+    out = kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, tensor_cores=True)
+    assert not out.isnan().any(), "a NaN canary was read"
+    ref = kq.quant_paged_decode_ref(q.float(), Kq, Vq, table, lens, qlens, tuple(r.float() for r in res))
+    base = kq.quant_paged_decode_ref(q, Kq, Vq, table, lens, qlens, res, compute_dtype=torch.float16)
+    assert_close(out, ref, dtype=torch.float16, baseline=base)
+    bad = kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, tensor_cores=True, _broken="scale-per-head")
+    with pytest.raises(MismatchError):
+        assert_close(bad, ref, dtype=torch.float16, baseline=base)
 
 
 def test_kernel_tile_smaller_than_a_page():
@@ -124,7 +165,7 @@ def test_against_decode_over_the_float_cache(name):
 
 @pytest.mark.parametrize("name,broken", [("int8", "scale-per-head"), ("fp8", "scale-per-head"),
                                          ("kivi2", "scale-per-head"), ("kivi2", "no-zero-point"),
-                                         ("int4-token", "no-zero-point")])
+                                         ("int4-token", "no-zero-point"), ("nvfp4", "scale-per-head")])
 def test_broken_variants_are_caught(name, broken):
     q, k, v, Kq, Vq, table, lens, qlens, res = _pool(name, lens=(40, 23))
     ref = kq.quant_paged_decode_ref(q, Kq, Vq, table, lens, qlens, res)
@@ -151,8 +192,12 @@ def test_bad_inputs_are_refused():
         kq.quantize_pages(k, kq.Spec("int8", axis="head"))
     with pytest.raises(ValueError, match="asym takes bits"):
         kq.Spec("asym", 3)
+    with pytest.raises(ValueError, match="nvfp4 has one scale per 16"):
+        kq.Spec("nvfp4", 4)
     with pytest.raises(ValueError, match="_broken"):
         kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, _broken="typo")
+    with pytest.raises(ValueError, match="tensor_cores needs tiles of >= 16"):
+        kq.quant_paged_decode(q, Kq, Vq, table, lens, qlens, res, block_s=8, tensor_cores=True)
 
 
 def test_per_head_scales_through_the_kernel():
@@ -170,6 +215,7 @@ def test_bytes_per_token_at_llama3_8b():
     assert kq.bytes_per_token(kq.SCHEMES["float"], *args) == 131072               # 128 KiB in bf16
     assert kq.bytes_per_token(kq.SCHEMES["int8"], *args) == 32 * 8 * 2 * (128 + 2)
     assert kq.bytes_per_token(kq.SCHEMES["kivi2"], *args) == 32 * 8 * ((32 + 4 * 128 / 16) + (32 + 4))
+    assert kq.bytes_per_token(kq.SCHEMES["nvfp4"], *args) == 32 * 8 * 2 * (64 + 128 // 16)    # E2M1 + E4M3 per 16
 
 
 # ---------------------------------------------------------------- the tiny GPT
@@ -322,6 +368,8 @@ def test_engine_refuses_unknown_and_unserved_schemes(model):
         kq.engine_cache("int3")
     with pytest.raises(ValueError, match="'kivi2' is not served"):
         kq.engine_cache("kivi2")
+    with pytest.raises(ValueError, match="'nvfp4' is not served"):          # its per-tensor scale needs calibration
+        kq.engine_cache("nvfp4")
     with pytest.raises(ValueError, match="leave EngineConfig.kv_cache as None"):
         kq.engine_cache("float")
     with pytest.raises(TypeError, match="cache factory"):         # a bare name is refused, not ignored
@@ -338,6 +386,9 @@ def test_compile_jobs_at_llama3_8b():
     regs = {label: b["sm90"].metadata["registers"] for label, b in zip(jobs, builds)}
     assert regs["Llama-3-8B, int8, BLOCK_S 16"] >= 240                     # the float kernel's tile: at the ceiling
     assert all(r < 192 for label, r in regs.items() if "BLOCK_S 8" in label)   # the chosen tile: room to spare
+    dot = dict(zip(jobs, builds))["Llama-3-8B, int8, BLOCK_S 16, tl.dot"]["sm90"]
+    assert regs["Llama-3-8B, int8, BLOCK_S 16, tl.dot"] <= regs["Llama-3-8B, int8, BLOCK_S 16"] // 2 + 8
+    assert any(op.startswith("HMMA") for op in ki.instructions(dot.sass, "sass"))   # on tensor cores
 
 
 def test_grouped_per_token_scales_through_the_kernel():

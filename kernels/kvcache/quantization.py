@@ -7,6 +7,12 @@ A stored element x comes back as
     int8   (symmetric)    c in -127..127,        s = max|x| / 127,               z = 0
     fp8    (E4M3)         c an E4M3 number,      s = max|x| / 448,               z = 0
     asym   (b = 2, 4, 8)  c in 0..2^b - 1,       s = (max x - min x) / (2^b - 1), z = min x
+    nvfp4  (E2M1)         c in {0, .5, 1, 1.5, 2, 3, 4, 6} with a sign,
+                          s = E4M3(max|x| / 6 / g) * g per 16 channels, g = max|x| over the tensor / 448
+
+NVFP4 (as TensorRT-LLM and FlashInfer store a KV cache) has two levels of scale: an FP8 E4M3 scale per
+16 consecutive channels of a token, and one fp32 scale g per tensor (QPages.gscale), here per layer's
+K or V pool, from its amax (FlashInfer's default when no calibrated scale is given).
 
 where max and min run over the elements that share one (s, z), chosen by the spec's ``axis``:
 
@@ -58,7 +64,9 @@ from kernels.attention.paged import LOG2E, check_paged_inputs, gather_pages
 from kernels.kvcache.eviction import _finish, _qkv
 from kernels.quant import fp8, intq
 
-FORMATS = ("int8", "fp8", "asym")
+FORMATS = ("int8", "fp8", "asym", "nvfp4")
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)        # FP4 E2M1 magnitudes, codes 0..7 (bit 3: sign)
+NVFP4_BLOCK = 16
 AXES = ("token", "channel", "head")
 SCALE_DTYPE = torch.float16
 
@@ -66,8 +74,8 @@ SCALE_DTYPE = torch.float16
 @dataclass(frozen=True)
 class Spec:
     """How one of K, V is stored: the number format, its bits, the axis its scales run along."""
-    fmt: str                    # "int8" | "fp8" | "asym"
-    bits: int = 8               # 8 for int8 and fp8; 2, 4 or 8 for asym
+    fmt: str                    # "int8" | "fp8" | "asym" | "nvfp4"
+    bits: int = 8               # 8 for int8 and fp8; 2, 4 or 8 for asym; 4 for nvfp4
     axis: str = "token"         # "token" | "channel" | "head"
     group: int | None = None    # axis "token": channels per scale (None: the whole head)
 
@@ -76,9 +84,12 @@ class Spec:
             raise ValueError(f"Spec: fmt must be one of {FORMATS}, got {self.fmt!r}")
         if self.axis not in AXES:
             raise ValueError(f"Spec: axis must be one of {AXES}, got {self.axis!r}")
-        allowed = (2, 4, 8) if self.fmt == "asym" else (8,)
+        allowed = {"asym": (2, 4, 8), "nvfp4": (4,)}.get(self.fmt, (8,))
         if self.bits not in allowed:
             raise ValueError(f"Spec: {self.fmt} takes bits in {allowed}, got {self.bits}")
+        if self.fmt == "nvfp4" and (self.axis, self.group) != ("token", NVFP4_BLOCK):
+            raise ValueError(f"Spec: nvfp4 has one scale per {NVFP4_BLOCK} channels of a token: axis 'token', "
+                             f"group {NVFP4_BLOCK}; got axis {self.axis!r}, group {self.group}")
 
     @property
     def has_zero(self) -> bool:
@@ -107,8 +118,11 @@ SCHEMES = {
     "int2-token": Scheme(Spec("asym", 2), Spec("asym", 2)),
     "kivi4": Scheme(Spec("asym", 4, "channel"), Spec("asym", 4), residual=32),
     "kivi2": Scheme(Spec("asym", 2, "channel"), Spec("asym", 2), residual=32),
+    "nvfp4": Scheme(Spec("nvfp4", 4, group=NVFP4_BLOCK), Spec("nvfp4", 4, group=NVFP4_BLOCK)),
 }
-ENGINE_SCHEMES = tuple(n for n, s in SCHEMES.items() if s.k is None or (s.per_token and s.k.axis == "token"))
+# served by the engine: per-token scales computed at write time (NVFP4's per-tensor scale needs calibration)
+ENGINE_SCHEMES = tuple(n for n, s in SCHEMES.items()
+                       if s.k is None or (s.per_token and s.k.axis == "token" and s.k.fmt != "nvfp4"))
 
 
 def scheme(name: str) -> Scheme:
@@ -156,6 +170,7 @@ class QPages:
     scale: torch.Tensor
     zero: torch.Tensor | None
     spec: Spec
+    gscale: torch.Tensor | None = None       # nvfp4: the fp32 per-tensor scale g, shape ()
 
     @property
     def head_dim(self) -> int:
@@ -164,10 +179,11 @@ class QPages:
     def select(self, pages: torch.Tensor) -> "QPages":
         """The pages ``pages`` (n,), in that order (broadcast statistics stay as they are)."""
         pick = lambda t: t if t is None or t.shape[0] == 1 else t[pages]    # noqa: E731
-        return QPages(self.codes[pages], pick(self.scale), pick(self.zero), self.spec)
+        return QPages(self.codes[pages], pick(self.scale), pick(self.zero), self.spec, self.gscale)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero, self.gscale)
+                   if t is not None)
 
 
 def _stats(x: torch.Tensor, spec: Spec, head_amax: torch.Tensor | None):
@@ -193,6 +209,40 @@ def _wide(t: torch.Tensor, D: int) -> torch.Tensor:
     return t.repeat_interleave(D // t.shape[-1], -1) if t.shape[-1] not in (1, D) else t
 
 
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """y (float, already divided by its scales) -> uint8 E2M1 codes: the nearest of E2M1_VALUES in
+    magnitude (ties to the even code, as round-to-nearest-even does; saturating at 6), sign in bit 3."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    dist = (y.abs().clamp(max=6.0)[..., None] - table).abs()                     # (..., 8)
+    dist = dist + 1e-6 * (torch.arange(8) % 2)                                   # a tie goes to the even code
+    return (dist.argmin(-1) + 8 * (y < 0)).to(torch.uint8)
+
+
+def e2m1_values(c: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes -> their fp32 values."""
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)[(c & 7).long()]
+    return torch.where(c >= 8, -mag, mag)
+
+
+def fill_nan_(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """NaN canaries: t[mask] = NaN in place, also for an E4M3 tensor (no fp8 masked_fill kernel: its
+    byte 0x7F is E4M3's NaN). A kernel that reads a canary returns NaN."""
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).masked_fill_(mask, 0x7F)
+    else:
+        t.masked_fill_(mask, float("nan"))
+    return t
+
+
+def _quantize_nvfp4(xf: torch.Tensor, spec: Spec, amax: torch.Tensor) -> QPages:
+    """x (N, Hkv, P, D) fp32, amax (N, Hkv, P, D / 16) per block -> codes, E4M3 block scales, gscale."""
+    g = (xf.abs().amax() / fp8.E4M3.max).clamp(min=1e-12)                         # g = amax / 448
+    s = fp8.quantize(amax / E2M1_VALUES[-1], g)                                   # E4M3(amax_b / 6 / g)
+    sw = _wide(s.float(), xf.shape[-1]) * g                                       # the block's step s g
+    y = torch.where(sw > 0, xf / torch.where(sw > 0, sw, 1.0), 0.0)
+    return QPages(pack_codes(e2m1_codes(y), 4), s, None, spec, g.float())
+
+
 def quantize_pages(x: torch.Tensor, spec: Spec, head_amax: torch.Tensor | None = None) -> QPages:
     """x (N, Hkv, P, D) float -> QPages (codes, fp16 scale, fp16 zero) as ``spec`` says."""
     if x.dim() != 4 or not x.dtype.is_floating_point:
@@ -201,6 +251,8 @@ def quantize_pages(x: torch.Tensor, spec: Spec, head_amax: torch.Tensor | None =
     xf = x.float()
     lo, hi = _stats(xf, spec, head_amax)
     amax = torch.maximum(lo.abs(), hi.abs())
+    if spec.fmt == "nvfp4":
+        return _quantize_nvfp4(xf, spec, amax)
     if spec.fmt == "int8":
         s = (amax / intq.qrange(8, True)[1]).to(SCALE_DTYPE)                 # s = max|x| / 127
     elif spec.fmt == "fp8":
@@ -219,8 +271,10 @@ def quantize_pages(x: torch.Tensor, spec: Spec, head_amax: torch.Tensor | None =
 
 
 def dequantize_pages(qp: QPages) -> torch.Tensor:
-    """x_hat = s * c + z, fp32 (N, Hkv, P, D)."""
+    """x_hat = s * c + z, fp32 (N, Hkv, P, D) (nvfp4: s * g * E2M1(c))."""
     D = qp.head_dim
+    if qp.spec.fmt == "nvfp4":
+        return _wide(qp.scale.float(), D) * qp.gscale * e2m1_values(unpack_codes(qp.codes, 4))
     c = unpack_codes(qp.codes, qp.spec.bits) if qp.spec.fmt == "asym" else qp.codes
     x = _wide(qp.scale.float(), D) * c.float()
     if qp.zero is not None:
@@ -235,11 +289,14 @@ def fake_quantize(x: torch.Tensor, spec: Spec | None, head_amax: torch.Tensor | 
 
 # ---------------------------------------------------------------- the reference decode
 
-def quant_paged_decode_ref(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=None, residual=None):
+def quant_paged_decode_ref(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=None, residual=None, *,
+                           compute_dtype: torch.dtype | None = None):
     """Dequantize the pages in PyTorch, gather positions 0..Lq-1 through the table, append the residual
-    positions Lq..L-1, attend in fp32 (fp64 for fp64 queries). Returns (B, Hq, D) in q's dtype."""
+    positions Lq..L-1, attend in fp32 (fp64 for fp64 queries). Returns (B, Hq, D) in q's dtype.
+    ``compute_dtype=torch.float16`` is PyTorch's own attention in fp16 over the dequantized cache: the
+    baseline of :func:`kernels.testing.assert_close` for the tensor-core variant."""
     B, Hq, D = q.shape
-    wide = torch.promote_types(q.dtype, torch.float32)
+    wide = compute_dtype or torch.promote_types(q.dtype, torch.float32)
     qlens = seqlens if qlens is None else qlens
     k_pages, v_pages = dequantize_pages(kq).to(wide), dequantize_pages(vq).to(wide)   # (pages, Hkv, P, D)
     out = torch.zeros(B, Hq, D, dtype=wide)
@@ -262,14 +319,23 @@ def quant_paged_decode_ref(q, kq: QPages, vq: QPages, block_table, seqlens, qlen
 
 @triton.jit
 def _dequant_tile(c_ptr, s_ptr, z_ptr, page, hk, slot, d, mask,
-                  stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, stride_sd,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
+                  stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, stride_sd, gscale,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FP4: tl.constexpr):
     """x_hat (BLOCK_S, BLOCK_D) fp32 of the rows ``slot`` of one page: the codes (b < 8: byte d // (8/b),
-    bits (d mod 8/b) * b), times the scale of the row and channel group d // GROUP, plus the zero point."""
+    bits (d mod 8/b) * b), times the scale of the row and channel group d // GROUP, plus the zero point.
+    FP4: the 4-bit code is E2M1 (bit 3 the sign, bits 2..1 the exponent, bit 0 the mantissa), the scale
+    an E4M3 number, and the tile is multiplied by the per-tensor scale ``gscale``."""
     c_off = page * stride_cp + hk * stride_ch + slot[:, None] * stride_cs + (d // (8 // BITS))[None, :]
     raw = tl.load(c_ptr + c_off, mask=mask, other=0.0)
     if BITS == 8:
         code = raw.to(tl.float32)                                        # int8 or E4M3 -> fp32
+    elif FP4:
+        shift = ((d % 2) * 4)[None, :]
+        c4 = (raw.to(tl.int32) >> shift) & 15
+        e = (c4 >> 1) & 3                                                # exponent field
+        m = (c4 & 1).to(tl.float32)                                      # mantissa bit
+        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))   # subnormal | normal
+        code = tl.where(c4 >= 8, -mag, mag) * gscale                     # sign; g folded into the code
     else:
         shift = ((d % (8 // BITS)) * BITS)[None, :]
         code = ((raw.to(tl.int32) >> shift) & ((1 << BITS) - 1)).to(tl.float32)
@@ -281,15 +347,23 @@ def _dequant_tile(c_ptr, s_ptr, z_ptr, page, hk, slot, d, mask,
 
 
 @triton.jit
-def _online_update(q, k, v, ok, m, l, acc):
-    """One tile of the online softmax: scores (BLOCK_G, n) in log2 units; m, l, acc rescaled."""
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+def _online_update(q, k, v, ok, m, l, acc, DOT: tl.constexpr):
+    """One tile of the online softmax: scores (BLOCK_G, n) in log2 units; m, l, acc rescaled. DOT: both
+    products on tensor cores (the dequantized tiles cast to fp16, fp32 accumulation; BLOCK_G and the
+    tile padded to 16), otherwise a 3-D broadcast product reduced on CUDA cores."""
+    if DOT:
+        scores = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))             # (BLOCK_G, BLOCK_S) fp32
+    else:
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
     scores = tl.where(ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)                                    # l' = alpha l + sum p
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    if DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))    # (BLOCK_G, BLOCK_D)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return m_new, l, acc
 
 
@@ -300,10 +374,11 @@ def _quant_paged_decode_kernel(
     stride_kcp, stride_kch, stride_kcs, stride_ksp, stride_ksh, stride_kss, stride_ksd,
     stride_vcp, stride_vch, stride_vcs, stride_vsp, stride_vsh, stride_vss, stride_vsd,
     stride_tb, stride_rb, stride_rh, stride_rs, stride_ob, stride_oh, stride_od,
-    D, GROUP, scale_log2,
+    D, GROUP, scale_log2, k_gscale, v_gscale,
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_ZERO: tl.constexpr,
-    V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_ZERO: tl.constexpr, K_FP4: tl.constexpr,
+    V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FP4: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, DOT: tl.constexpr,
 ):
     """One program per (sequence b, K/V head hk): the quantized tiles of positions 0..Lq-1 through the
     page table, dequantized in registers, then the residual positions Lq..L-1, one online softmax."""
@@ -325,10 +400,10 @@ def _quant_paged_decode_kernel(
         ok = t * BLOCK_S + s < Lq
         mask = ok[:, None] & d_ok[None, :]
         k = _dequant_tile(kc_ptr, ks_ptr, kz_ptr, page, hk, slot, d, mask, stride_kcp, stride_kch, stride_kcs,
-                          stride_ksp, stride_ksh, stride_kss, stride_ksd, K_BITS, K_GROUP, K_ZERO)
+                          stride_ksp, stride_ksh, stride_kss, stride_ksd, k_gscale, K_BITS, K_GROUP, K_ZERO, K_FP4)
         v = _dequant_tile(vc_ptr, vs_ptr, vz_ptr, page, hk, slot, d, mask, stride_vcp, stride_vch, stride_vcs,
-                          stride_vsp, stride_vsh, stride_vss, stride_vsd, V_BITS, V_GROUP, V_ZERO)
-        m, l, acc = _online_update(q, k, v, ok, m, l, acc)
+                          stride_vsp, stride_vsh, stride_vss, stride_vsd, v_gscale, V_BITS, V_GROUP, V_ZERO, V_FP4)
+        m, l, acc = _online_update(q, k, v, ok, m, l, acc, DOT)
     if HAS_RESIDUAL:
         base = b.to(tl.int64) * stride_rb + hk * stride_rh
         for r0 in range(0, L - Lq, BLOCK_S):                      # full-precision positions Lq + j
@@ -337,7 +412,7 @@ def _quant_paged_decode_kernel(
             off = base + (r0 + s)[:, None] * stride_rs + d[None, :]
             k = tl.load(rk_ptr + off, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(rv_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            m, l, acc = _online_update(q, k, v, ok, m, l, acc)
+            m, l, acc = _online_update(q, k, v, ok, m, l, acc, DOT)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     g = tl.arange(0, BLOCK_G)
     offs = b.to(tl.int64) * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :] * stride_od
@@ -392,6 +467,8 @@ def check_inputs(q, kq, vq, block_table, seqlens, qlens, residual, name: str = "
                              f"when the format is asym ({qp.spec})")
         if not qp.codes.is_contiguous():
             raise ValueError(f"{name}: {arg}.codes must be contiguous")
+        if (qp.gscale is not None) != (qp.spec.fmt == "nvfp4"):
+            raise ValueError(f"{name}: {arg}.gscale (the per-tensor scale) is given exactly when the format is nvfp4")
     if bool((qlens < seqlens).any()):
         B, Hkv = q.shape[0], kq.codes.shape[1]
         if residual is None or residual[0].shape != residual[1].shape or residual[0].dim() != 4 \
@@ -401,7 +478,13 @@ def check_inputs(q, kq, vq, block_table, seqlens, qlens, residual, name: str = "
                              f">= {int((seqlens - qlens).max())}, D) with unit stride along D")
 
 
-def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, block_s: int, broken: str | None = None):
+def _gscale(qp: QPages) -> float:
+    """The per-tensor scale as a launch argument: 1.0 where there is none (and for meta tensors)."""
+    return 1.0 if qp.gscale is None or qp.gscale.is_meta else float(qp.gscale)
+
+
+def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, block_s: int, broken: str | None = None,
+          tensor_cores: bool = False):
     """(grid, args, kwargs) of one launch, shared by :func:`quant_paged_decode` and :func:`launch_job`."""
     B, Hq, D = q.shape
     pages, Hkv, P, _ = kq.codes.shape
@@ -412,7 +495,7 @@ def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, bl
         strides += [*qp.codes.stride()[:3], *_stat_strides(qp.scale, pages, P, broken)]
     args = (q, *pointers, table, seqlens, qlens, rk, rv, out,
             *q.stride(), *strides, table.stride(0), *(rk.stride()[:3] if residual is not None else (0, 0, 0)),
-            *out.stride(), D, Hq // Hkv, LOG2E / math.sqrt(D))
+            *out.stride(), D, Hq // Hkv, LOG2E / math.sqrt(D), _gscale(kq), _gscale(vq))
 
     def group(qp):                                  # channels per scale: 1 per channel, D per token
         return D // qp.scale.shape[-1]
@@ -420,16 +503,21 @@ def _args(q, kq: QPages, vq: QPages, table, seqlens, qlens, residual, out, *, bl
     def zero(qp):
         return qp.zero is not None and broken != "no-zero-point"
 
-    kwargs = dict(PAGE=P, BLOCK_S=block_s, BLOCK_G=triton.next_power_of_2(Hq // Hkv), BLOCK_D=triton.next_power_of_2(D),
-                  K_BITS=kq.spec.bits, K_GROUP=group(kq), K_ZERO=zero(kq),
-                  V_BITS=vq.spec.bits, V_GROUP=group(vq), V_ZERO=zero(vq), HAS_RESIDUAL=residual is not None)
+    block_g = triton.next_power_of_2(Hq // Hkv)
+    kwargs = dict(PAGE=P, BLOCK_S=block_s, BLOCK_G=max(16, block_g) if tensor_cores else block_g,   # tl.dot: M >= 16
+                  BLOCK_D=triton.next_power_of_2(D),
+                  K_BITS=kq.spec.bits, K_GROUP=group(kq), K_ZERO=zero(kq), K_FP4=kq.spec.fmt == "nvfp4",
+                  V_BITS=vq.spec.bits, V_GROUP=group(vq), V_ZERO=zero(vq), V_FP4=vq.spec.fmt == "nvfp4",
+                  HAS_RESIDUAL=residual is not None, DOT=tensor_cores)
     return (B, Hkv), args, kwargs
 
 
 def quant_paged_decode(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=None, residual=None, *,
-                       block_s: int | None = None, _broken: str | None = None) -> torch.Tensor:
+                       block_s: int | None = None, tensor_cores: bool = False, _broken: str | None = None) -> torch.Tensor:
     """Decode attention over quantized pages (and a float residual): shapes in the module docstring.
-    ``_broken`` ("scale-per-head", "no-zero-point") launches a deliberately wrong variant for the tests."""
+    ``tensor_cores``: both products by tl.dot on fp16 casts of the dequantized tiles (tiles of at least
+    16 positions, the group padded to 16 rows). ``_broken`` ("scale-per-head", "no-zero-point")
+    launches a deliberately wrong variant for the tests."""
     if _broken not in BROKEN:
         raise ValueError(f"quant_paged_decode: _broken must be one of {BROKEN}, got {_broken!r}")
     qlens = seqlens if qlens is None else qlens
@@ -441,10 +529,13 @@ def quant_paged_decode(q, kq: QPages, vq: QPages, block_table, seqlens, qlens=No
     P = kq.codes.shape[2]
     if block_s is not None and (block_s < 1 or block_s & (block_s - 1) or block_s > P):
         raise ValueError(f"quant_paged_decode: block_s must be a power of two <= page_size={P}, got {block_s!r}")
-    block_s = block_s or default_block_s(Hq // kq.codes.shape[1], D, P)
+    block_s = block_s or (P if tensor_cores else default_block_s(Hq // kq.codes.shape[1], D, P))
+    if tensor_cores and (block_s < 16 or D < 16):
+        raise ValueError(f"quant_paged_decode: tensor_cores needs tiles of >= 16 positions and a head dim >= 16 "
+                         f"(tl.dot's smallest operand), got block_s={block_s}, D={D}")
     grid, args, kwargs = _args(q, kq, vq, block_table.contiguous(), seqlens, qlens.to(seqlens.dtype),
                                residual if bool((qlens < seqlens).any()) else None, out,
-                               block_s=block_s, broken=_broken)
+                               block_s=block_s, broken=_broken, tensor_cores=tensor_cores)
     _quant_paged_decode_kernel[grid](*args, **kwargs)
     return out
 
@@ -617,12 +708,13 @@ def calibrate_head_amax(model, idx: torch.Tensor) -> torch.Tensor:
 def bytes_per_token(sch: Scheme, n_layer: int, n_kv_head: int, head_dim: int, page_size: int = 16,
                     float_bytes: int = 2) -> float:
     """K and V of one token over all layers: codes plus its share of the fp16 scales and zero points
-    (per token: D / group of each; per channel: D of each per page of P tokens; per head: ~0). The
-    float residual window is per sequence, not per token, and is not included."""
+    (per token: D / group of each; per channel: D of each per page of P tokens; per head: ~0; nvfp4:
+    one E4M3 byte per 16 channels, the per-tensor fp32 scale ~0). The float residual window is per
+    sequence, not per token, and is not included."""
     def one(spec):
         if spec is None:
             return head_dim * float_bytes
-        stats = 2 * (1 + spec.has_zero)                                     # fp16 scale (+ zero)
+        stats = 1 if spec.fmt == "nvfp4" else 2 * (1 + spec.has_zero)       # E4M3 scale | fp16 scale (+ zero)
         per = {"token": head_dim // (spec.group or head_dim), "channel": head_dim / page_size, "head": 0}[spec.axis]
         return head_dim * spec.bits / 8 + stats * per
     return n_layer * n_kv_head * (one(sch.k) + one(sch.v))
@@ -634,7 +726,8 @@ REAL_CONFIGS = (("Llama-3-8B", 32, 8, 128),)
 
 
 def launch_job(hq: int, hkv: int, head_dim: int, name: str, *, batch: int = 32, context: int = 8192,
-               page_size: int = 16, residual: int = 32, block_s: int | None = None, target: str = "sm90"):
+               page_size: int = 16, residual: int = 32, block_s: int | None = None, tensor_cores: bool = False,
+               target: str = "sm90"):
     """The GPU launch of :func:`quant_paged_decode` for scheme ``name`` on meta tensors: ``batch``
     sequences of ``context`` positions in ``page_size`` pages, fp16 queries, int32 tables; with a
     residual window, a (batch, Hkv, residual + page_size, D) fp16 residual buffer. ``block_s`` defaults
@@ -647,10 +740,13 @@ def launch_job(hq: int, hkv: int, head_dim: int, name: str, *, batch: int = 32, 
     q = torch.empty(batch, hq, head_dim, dtype=torch.float16, **meta)
 
     def qpages(spec):
-        codes_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "asym": torch.uint8}[spec.fmt]
+        codes_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "asym": torch.uint8, "nvfp4": torch.uint8}[spec.fmt]
         codes = torch.empty(pages, hkv, page_size, head_dim * spec.bits // 8, dtype=codes_dtype, **meta)
         shape = {"token": (pages, hkv, page_size, head_dim // (spec.group or head_dim)),
                  "channel": (pages, hkv, 1, head_dim), "head": (1, hkv, 1, 1)}[spec.axis]
+        if spec.fmt == "nvfp4":
+            return QPages(codes, torch.empty(shape, dtype=torch.float8_e4m3fn, **meta), None, spec,
+                          torch.empty((), dtype=torch.float32, **meta))
         stat = torch.empty(shape, dtype=SCALE_DTYPE, **meta)
         return QPages(codes, stat, torch.empty(shape, dtype=SCALE_DTYPE, **meta) if spec.has_zero else None, spec)
 
@@ -661,17 +757,19 @@ def launch_job(hq: int, hkv: int, head_dim: int, name: str, *, batch: int = 32, 
         res = tuple(torch.empty(batch, hkv, residual + page_size, head_dim, dtype=torch.float16, **meta) for _ in "kv")
     block_s = block_s or gpu_block_s_quant(hq // hkv, head_dim, page_size)
     grid, args, kwargs = _args(q, qpages(sch.k), qpages(sch.v), table, lens, lens, res, torch.empty_like(q),
-                               block_s=block_s)
+                               block_s=block_s, tensor_cores=tensor_cores)
     return ki.launch_job(_quant_paged_decode_kernel, *args, target=target, grid=grid, **kwargs)
 
 
 def compile_jobs() -> dict:
     """Llama-3-8B (32 q heads, 8 K/V heads, D = 128), batch 32, 8k positions in 16-position pages: int8,
-    fp8 and KIVI-2 at the GPU tile, and int8 at the float kernel's tile of 16 for comparison."""
+    fp8, KIVI-2 and NVFP4 at the GPU tile, and int8 at the float kernel's tile of 16 for comparison,
+    with the broadcast product and with tl.dot."""
     jobs = {}
     for label, hq, hkv, d in REAL_CONFIGS:
         bs = gpu_block_s_quant(hq // hkv, d, 16)
-        for name in ("int8", "fp8", "kivi2"):
+        for name in ("int8", "fp8", "kivi2", "nvfp4"):
             jobs[f"{label}, {name}, BLOCK_S {bs}"] = launch_job(hq, hkv, d, name)
         jobs[f"{label}, int8, BLOCK_S 16"] = launch_job(hq, hkv, d, "int8", block_s=16)
+        jobs[f"{label}, int8, BLOCK_S 16, tl.dot"] = launch_job(hq, hkv, d, "int8", block_s=16, tensor_cores=True)
     return jobs

@@ -431,16 +431,28 @@ def launches_per_step(per_layer: int, fixed: int, layers: int) -> int:
     return per_layer * layers + fixed
 
 
-def eager_step_time(launches: int, launch_s: float, gpu_s: float) -> float:
+def eager_step_time(launches: int, launch_s: float, gpu_s: float, *, views: int = 0, view_s: float = 0.0,
+                    node_s: float = 0.0) -> float:
     """An eager step when the CPU issues launches asynchronously: the GPU cannot finish before the
-    CPU has issued the last kernel, nor before its own work is done, so t = max(n t_launch, t_gpu)
-    (plus the last kernel's tail, ignored)."""
-    return max(launches * launch_s, gpu_s)
+    CPU has issued the last kernel, nor before its own work is done. The host pays ``launch_s`` per
+    launch and ``view_s`` per view (no kernel, but Python and the dispatcher); the GPU pays its
+    roofline time ``gpu_s`` plus ``node_s`` per kernel (a tiny kernel's fixed cost on the device):
+    t = max(n t_launch + v t_view, t_gpu + n t_node) (the last kernel's tail ignored)."""
+    _check_costs(launches=launches, views=views, launch_s=launch_s, view_s=view_s, gpu_s=gpu_s, node_s=node_s)
+    return max(launches * launch_s + views * view_s, gpu_s + launches * node_s)
 
 
-def graphed_step_time(graph_launch_s: float, gpu_s: float) -> float:
-    """A replayed step: one launch call, then the GPU's work: t = max(t_graph, t_gpu)."""
-    return max(graph_launch_s, gpu_s)
+def graphed_step_time(graph_launch_s: float, gpu_s: float, *, launches: int = 0, node_s: float = 0.0) -> float:
+    """A replayed step: one launch call on the host, then the GPU runs the ``launches`` nodes, each
+    at its roofline share plus ``node_s``: t = max(t_graph, t_gpu + n t_node)."""
+    _check_costs(launches=launches, graph_launch_s=graph_launch_s, gpu_s=gpu_s, node_s=node_s)
+    return max(graph_launch_s, gpu_s + launches * node_s)
+
+
+def _check_costs(**values: float) -> None:
+    for name, value in values.items():
+        if not value >= 0:
+            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
 
 
 # ---------------------------------------------------------------- the CUDA C++ chain (kernels/cuda/graph_chain.cu)

@@ -46,3 +46,19 @@ def h2o_keep(scores, budget, recent):
     heavy = scores[..., recent:].topk(budget - recent, dim=-1).indices + recent
     head = torch.arange(recent).expand(*scores.shape[:-1], recent)
     return torch.cat([head, heavy], dim=-1).sort(dim=-1).values
+
+# %% solution mean
+def mean_attention(probs):
+    P = probs.shape[-1]
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]       # row i against uniform 1/(i+1)
+    return relative.sum(dim=(2, 3)) / torch.arange(P, 0, -1, dtype=probs.dtype)  # mean over the P - j rows
+
+# %% wrong mean: divides the column sum by P - j only, so early rows (few keys, large probabilities) still weigh more
+def mean_attention(probs):
+    P = probs.shape[-1]
+    return probs.sum(dim=(2, 3)) / torch.arange(P, 0, -1, dtype=probs.dtype)
+
+# %% wrong mean: divides by P for every key instead of the P - j rows that see key j
+def mean_attention(probs):
+    P = probs.shape[-1]
+    return (probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]).sum(dim=(2, 3)) / P
