@@ -78,3 +78,22 @@ def test_bad_arguments_are_named():
         ck.korthikanti_bytes(S, B, H, A, t=0)
     with pytest.raises(ValueError, match="a % t"):
         ck.PaperLayer(H, A, t=3)
+
+
+def test_fused_attention_block_ledger_and_recompute_modules():
+    """With fused attention (no scores saved) the attention core's recompute keeps exactly what the
+    explicit block's selective recompute keeps; core_attn frees the output and the log-sum-exp,
+    mlp frees SwiGLU's 4 s b F; the outputs equal the model's block; unknown modules are refused."""
+    model = load_pretrained().train()
+    cfg, blk = model.config, model.blocks[0]
+    B, S = 3, 17
+    x, pos = torch.randn(B, S, cfg.d_model, requires_grad=True), torch.arange(S)
+    got = {m: ck.saved_bytes(lambda: ck.fused_block_forward(blk, x, pos, m), model.parameters())[0]
+           for m in [(), ("core_attn",), ("mlp",)]}
+    assert got[("core_attn",)] == ck.tiny_gpt_layer_bytes(cfg, B, S, 4, "selective")
+    assert got[()] - got[("core_attn",)] == 4 * B * S * cfg.n_head * cfg.head_dim + 4 * B * cfg.n_head * S
+    assert got[()] - got[("mlp",)] == 4 * 4 * B * S * cfg.d_ff
+    y = ck.fused_block_forward(blk, x, pos, ("core_attn", "mlp"))
+    assert float((y - blk(x, pos)).detach().abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="recompute_modules must be drawn from"):
+        ck.fused_block_forward(blk, x, pos, ("attention",))

@@ -85,3 +85,23 @@ def test_kv_bytes_sent_per_layer_match_the_formula(run):
         # the all-gather's backward is a reduce-scatter of dK, dV: the same bytes back
         assert res["allgather"]["ledger"]["allgather_backward"] == CFG.n_layer * ag_b
         assert res["allgather"]["traffic"].forward_bytes == 0 and not res["ring"]["ledger"]
+
+
+def test_transport_bytes_of_the_four_cp_comm_types():
+    from kernels.dist.context_parallel import transport_bytes as tb
+    n, p, hq, hkv, d, e = 4096, 8, 32, 4, 16, 2
+    ring_bytes = (p - 1) * 2 * (n // p) * hkv * d * e
+    assert tb("p2p", n, p, hq, hkv, d, e) == ring_bytes == tb("all_gather", n, p, hq, hkv, d, e)
+    # a2a: counted piece by piece: Q, K, V and O, each (n/p, heads, d), (p - 1)/p of it leaves the rank
+    pieces = sum(heads * (n // p) * d * e * (p - 1) // p for heads in (hq, p, p, hq))   # K/V repeated to p = 8 heads
+    assert tb("a2a", n, p, hq, hkv, d, e) == pieces
+    # the hierarchy's two ends are the pure forms
+    assert tb("a2a+p2p", n, p, hq, hkv, d, e, inner=p) == tb("a2a", n, p, hq, hkv, d, e)
+    assert tb("a2a+p2p", n, p, hq, hkv, d, e, inner=1) == ring_bytes
+    # inner = 2 of p = 8: a2a of 4 heads' worth inside pairs, then a ring of 3 steps over 4 groups
+    a2a_pairs = (1 * (n // 8) * (2 * hq + 2 * hkv) * d * e) // 2
+    assert tb("a2a+p2p", n, p, hq, hkv, d, e, inner=2) == a2a_pairs + 3 * 2 * (n // 4) * (hkv // 2) * d * e
+    with pytest.raises(ValueError, match="must divide p"):
+        tb("a2a", n, 64, hq, hkv, d, e)                  # more ranks than query heads
+    with pytest.raises(ValueError, match="kind must be one of"):
+        tb("ulysses", n, p, hq, hkv, d, e)

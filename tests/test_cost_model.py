@@ -52,3 +52,27 @@ def test_bad_input():
         cm.predict("mesh", 10, 4, 1, 1)
     with pytest.raises(ValueError, match="seconds must be positive"):
         cm.fit_alpha_beta([1, 2], [1, 2], [0, 1])
+
+
+def _all_to_all_by_peer(sent, p, g, b_in, b_out):
+    """Independent count: walk every peer of rank 0, add its piece to the NVLink or NIC leg."""
+    piece = sent / (p - 1)
+    local = sum(piece for q in range(1, p) if q // g == 0)
+    remote = sum(piece for q in range(1, p) if q // g != 0)
+    return max(local / (b_in * 1e9), remote / (b_out * 1e9))
+
+
+def test_all_to_all_split_between_nvlink_and_nic():
+    for p in (2, 8, 16, 32):
+        got = cm.all_to_all_seconds(1.5e6, p, 8, 450, 50)
+        assert math.isclose(got, _all_to_all_by_peer(1.5e6, p, 8, 450, 50), rel_tol=1e-12), p
+    assert math.isclose(cm.all_to_all_seconds(15e6, 16, 8, 450, 50), 8e6 / 50e9)       # 8 of 15 pieces leave
+    # a broken model that prices everything at NVLink (one node of p GPUs) is 9x too fast at p = 16
+    nvlink_only = 15e6 / 450e9
+    assert cm.all_to_all_seconds(15e6, 16, 8, 450, 50) > 4 * nvlink_only
+    assert cm.all_to_all_seconds(15e6, 16, 16, 450, 50) == nvlink_only                 # an NVL-16 domain
+    assert cm.all_to_all_seconds(15e6, 1, 8, 450, 50) == 0.0
+    with pytest.raises(ValueError, match="do not fill whole nodes"):
+        cm.all_to_all_seconds(1.0, 12, 8, 450, 50)
+    with pytest.raises(ValueError, match="node_gpus"):
+        cm.all_to_all_seconds(1.0, 8, 0, 450, 50)

@@ -67,3 +67,13 @@ def test_expert_rank_and_uniform_traffic():
     assert ep.assignments_leaving(ids, 8, 2, 0) == 2
     # uniform routing: (p - 1)/p of the k rows leave, there and back, C values of E bytes each
     assert ep.traffic_per_token(8, 7168, 1, 64) == 2 * 8 * 7168 * 63 / 64
+
+
+def test_triton_grouped_gemm_on_the_received_rows(run, reference):
+    """The same layer in float32 with the routing chapter's Triton grouped GEMM (interpreted) on each
+    rank's received rows: outputs and every gradient within float32 rounding of the float64 layer."""
+    for key in ("y", "dx", "w_gate_up", "w_down"):
+        assert _rel(_gathered(run, "triton", key), reference[key]) < 1e-5, key
+    assert _gathered(run, "triton", "y").dtype == torch.float32
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        ep.ep_moe_forward(reference["layer"], torch.zeros(1, 64, dtype=torch.float64), gemm="cutlass")

@@ -124,3 +124,13 @@ def test_bad_config_refused():
         train.arm_config("hash")
     with pytest.raises(ValueError, match="study must be one of"):
         train.study_path("hash")
+
+
+def test_swapped_future_is_teacher_forcing_for_a_causal_model_and_not_for_soft_moe():
+    """The control of the soft-moe chapter: with an unrelated future after the true past, the causal
+    top-2 model's loss is unchanged; the committed Soft MoE's rises (its slots read the future)."""
+    _, val = data.train_val_split(data.encode(data.load_text()))
+    x, y = data.fixed_windows(val, 3, 64)
+    causal, soft = train.load_checkpoint(), train.load_checkpoint(train.SOFT_CHECKPOINT)
+    assert abs(train.swapped_future_loss(causal, x, y) - train.evaluate(causal, x, y)) < 1e-5
+    assert train.swapped_future_loss(soft, x, y) > train.evaluate(soft, x, y) + 0.05

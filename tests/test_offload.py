@@ -67,10 +67,12 @@ def test_wrong_guesses_are_counted_as_wasted_copies():
 def test_token_time_model():
     """Misses cost a full copy; prefetches only what the previous layer's compute does not cover."""
     st = CacheStats(hits=0, prefetched=0, misses=2, wasted=0, tokens=1)
-    assert token_time([st], 1e9, 10.0, 0.01) == pytest.approx(0.01 + 0.2)
+    assert token_time([st], 1e9, 10.0, 0.01, hidden_s_per_layer=0.01) == pytest.approx(0.01 + 0.2)
     ahead = CacheStats(hits=0, prefetched=2, misses=0, wasted=0, tokens=1)
-    assert token_time([ahead], 1e9, 10.0, 0.5) == pytest.approx(0.5)           # hidden
-    assert token_time([ahead], 1e9, 10.0, 0.05) == pytest.approx(0.05 + 0.15)  # partly hidden
+    assert token_time([ahead], 1e9, 10.0, 0.5, hidden_s_per_layer=0.5) == pytest.approx(0.5)            # hidden
+    assert token_time([ahead], 1e9, 10.0, 0.5, hidden_s_per_layer=0.05) == pytest.approx(0.5 + 0.15)    # only attention hides it
+    with pytest.raises(ValueError, match="hidden_s_per_layer"):
+        token_time([ahead], 1e9, 10.0, 0.5, hidden_s_per_layer=-1.0)
 
 
 def test_cached_expert_gemm_matches_the_full_weights_and_the_broken_variant_is_caught():
@@ -116,6 +118,11 @@ def test_trace_of_the_committed_model():
     assert used.shape == (4 * 64, 2, 2) and bool((guessed[:, 0] == -1).all())
     overlap = (guessed[:, 1, :, None] == used[:, 1, None, :]).any(-1).float().mean()
     assert float(overlap) > 0.6
+    _, early = offload.routing_trace(model, x, guess_from="moe")        # one state older: a worse guess
+    early_right = (early[:, 1, :, None] == used[:, 1, None, :]).any(-1).float().mean()
+    assert bool((early[:, 0] == -1).all()) and 0.3 < float(early_right) < float(overlap)
+    with pytest.raises(ValueError, match="guess_from"):
+        offload.routing_trace(model, x, guess_from="attention")
 
 
 def test_aot_build_at_a_mixtral_decode_step():

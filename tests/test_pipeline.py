@@ -69,6 +69,46 @@ def test_an_order_without_warm_up_deadlocks():
         pp.simulate(orders)
 
 
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zb_v_reaches_the_lower_bound_within_1f1b_memory(p):
+    # equal whole-stage times 1 (chunk ops 1/2): no step can be shorter than the last rank's wait for
+    # its first input, (p - 1) chunk forwards, plus its 6m chunk ops; the V order reaches it for m >= 2p
+    for m in (2 * p, 2 * p + 1, 3 * p + 2):
+        t = pp.simulate(pp.zb_v(p, m), 1, 1, 1, v=2, placement="v")
+        assert t.makespan == (p - 1) / 2 + 3 * m
+        assert abs(t.bubble_fraction - pp.bubble_zb_v(p, m)) < 1e-12
+        assert max(t.peak_inflight) <= 2 * p                 # 2p chunk activations = 1F1B's p stages
+    for m in range(1, 2 * p):                                 # fewer micro-batches: still completes
+        pp.simulate(pp.zb_v(p, m), 1, 1, 1, v=2, placement="v")
+
+
+def test_zb_v_broken_orders_are_caught():
+    orders = pp.zb_v(4, 8)
+    with pytest.raises(pp.ScheduleDeadlock):                  # the same orders on Megatron's placement
+        pp.simulate(orders, 1, 1, 1, v=2)
+    eager = [[op for o in order if o.kind != "W" for op in ((o, pp.Op("W", o.mb, o.chunk)) if o.kind == "B" else (o,))]
+             for order in orders]                            # every W right after its B: no gaps filled
+    t = pp.simulate(eager, 1, 1, 1, v=2, placement="v")
+    assert t.bubble_fraction > pp.bubble_zb_v(4, 8) + 0.1
+    with pytest.raises(ValueError, match="two chunks"):
+        pp.simulate(orders, v=3, placement="v")
+    with pytest.raises(ValueError, match="m >= 2p"):
+        pp.bubble_zb_v(4, 7)
+
+
+def test_dualpipe_formula_is_the_readme_table():
+    # deepseek-ai/DualPipe README: (PP/2 - 1)(F&B + B - 3W); without overlap F&B = F + B
+    assert pp.bubble_dualpipe(8, 1, 2, 1) == 3 * (1 + 2 + 2 - 3)
+    assert pp.bubble_dualpipe(8, 1, 2, 1, t_fb=2) == 3 * (2 + 2 - 3)
+    assert pp.bubble_dualpipe(2, 1, 2, 1) == 0
+    for bad in ((7, 1, 2, 1), (8, 1, 2, 3)):
+        with pytest.raises(ValueError):
+            pp.bubble_dualpipe(*bad)
+    with pytest.raises(ValueError, match="t_fb"):
+        pp.bubble_dualpipe(8, 1, 2, 1, t_fb=3.5)
+
+
 # ---------------------------------------------------------------- the real pipeline over 2 ranks
 
 @pytest.fixture(scope="module")

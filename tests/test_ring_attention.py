@@ -200,3 +200,39 @@ def test_merge_builds_for_sm90a_without_spills_and_with_64_bit_offsets():
     build = ki.compile_triton_many([job], archs=("sm90a",))[0]["sm90"]
     assert build.spills == 0
     assert all(ki.param_product_widths(build, i) == {64} for i in range(4, 14))     # the 10 runtime strides
+
+
+def _pairs_computed(r, p, n, layout):
+    """Every (query position, key position) pair rank r evaluates over the ring, from block_plan alone."""
+    pairs = []
+    q_pos = ring.positions(n, p, r, layout).tolist()
+    for src in range(p):
+        plan = ring.block_plan(r, src, p, n // p, layout, True)
+        if plan is None:
+            continue
+        qs, ks, c = plan
+        k_pos = ring.positions(n, p, src, layout).tolist()
+        for a in range(qs.start, qs.stop):
+            for b in range(ks.start, ks.stop):
+                if not c or b - ks.start <= a - qs.start:
+                    pairs.append((q_pos[a], k_pos[b]))
+    return pairs
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_block_plan_covers_every_causal_pair_once(p, layout):
+    """p = 2 and odd p, the edges the 4-rank ring does not exercise: the plans of every step, taken
+    together, evaluate each causal (query, key) pair of the rank's queries exactly once."""
+    n = 2 * p * 3
+    for r in range(p):
+        got = _pairs_computed(r, p, n, layout)
+        want = {(i, j) for i in ring.positions(n, p, r, layout).tolist() for j in range(i + 1)}
+        assert len(got) == len(set(got)) and set(got) == want, (r, layout)
+
+
+def test_a_plan_that_drops_the_diagonal_mask_is_caught(monkeypatch):
+    real = ring.block_plan
+    monkeypatch.setattr(ring, "block_plan", lambda *a: (lambda pl: pl and (pl[0], pl[1], False))(real(*a)))
+    got = _pairs_computed(0, 3, 18, "zigzag")
+    assert len(set(got)) > len({(i, j) for i in ring.positions(18, 3, 0, "zigzag").tolist() for j in range(i + 1)})

@@ -217,25 +217,66 @@ def tiny_block_forward(block, x: torch.Tensor, positions: torch.Tensor, recomput
     """One tiny-GPT block, as :meth:`kernels.model.gpt.Block.forward` computes it (pure PyTorch),
     with ``recompute`` "selective" (the attention products and softmax redone in the backward,
     torch.utils.checkpoint around them) or "full" (the whole block)."""
-    from kernels.model.gpt import add_rms_norm_torch, rope
-
     if recompute not in RECOMPUTE:
         raise ValueError(f"tiny_block_forward: recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if recompute == "full":
         return checkpoint(tiny_block_forward, block, x, positions, "none", use_reentrant=False)
+    attn = block.attn
+    q, k, v = _block_qkv(block, x, positions)
+    if recompute == "selective":
+        out = checkpoint(attn._attend, q, k, v, 0, False, use_reentrant=False)
+    else:
+        out = attn._attend(q, k, v, 0, False)
+    return _block_rest(block, x, out, recompute_mlp=False)
+
+
+def _block_qkv(block, x, positions):
+    """Q (B, Hq, T, D) and K, V (B, Hkv, T, D) of a tiny-GPT block, RoPE at ``positions``."""
+    from kernels.model.gpt import rope
+
     attn, cfg = block.attn, block.config
     B, T, _ = x.shape
     u = block.norm1(x)
     q = rope(attn.wq(u).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2), positions, cfg.rope_theta)
     k = rope(attn.wk(u).view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2), positions, cfg.rope_theta)
     v = attn.wv(u).view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
-    if recompute == "selective":
-        out = checkpoint(attn._attend, q, k, v, 0, False, use_reentrant=False)
-    else:
-        out = attn._attend(q, k, v, 0, False)
-    a = attn.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
+    return q, k, v
+
+
+def _block_rest(block, x, out, recompute_mlp: bool):
+    """The block after attention: W_o, the residual add and norm, the MLP (rerun in the backward
+    when ``recompute_mlp``: only its input is kept), the second residual add."""
+    from kernels.model.gpt import add_rms_norm_torch
+
+    cfg = block.config
+    B, _, T, _ = out.shape
+    a = block.attn.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
     h, hn = add_rms_norm_torch(x, a, block.norm2.weight, cfg.norm_eps)
-    return h + block.mlp(hn)
+    return h + (checkpoint(block.mlp, hn, use_reentrant=False) if recompute_mlp else block.mlp(hn))
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+def _fused_attention(q, k, v):
+    """Causal GQA attention in one fused op (FlashAttention's contract: Q, K, V, the output and the
+    rows' log-sum-exp are saved, no s x s scores)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def fused_block_forward(block, x: torch.Tensor, positions: torch.Tensor, recompute_modules=()) -> torch.Tensor:
+    """One tiny-GPT block with fused attention (:func:`_fused_attention`) and Megatron-Core's
+    ``recompute_modules`` choices: "core_attn" reruns the attention op in the backward (keeping its
+    inputs Q, K, V, which its producers keep anyway), "mlp" reruns the MLP (keeping its input)."""
+    bad = sorted(set(recompute_modules) - set(RECOMPUTE_MODULES))
+    if bad:
+        raise ValueError(f"fused_block_forward: recompute_modules must be drawn from {RECOMPUTE_MODULES}, got {bad}")
+    q, k, v = _block_qkv(block, x, positions)
+    if "core_attn" in recompute_modules:
+        out = checkpoint(_fused_attention, q, k, v, use_reentrant=False)
+    else:
+        out = _fused_attention(q, k, v)
+    return _block_rest(block, x, out, recompute_mlp="mlp" in recompute_modules)
 
 
 # ---------------------------------------------------------------- what recomputation costs

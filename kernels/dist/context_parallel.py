@@ -21,7 +21,13 @@ ring (p - 1) * 2 (n/p) H_kv D; all-gather the same, (p - 1)/p * 2 n H_kv D. They
 bytes move (the ring hides them behind compute) and in memory (the all-gather holds all n keys).
 
 ``broken``: ``"local_positions"`` rotates with positions 0..n/p-1 of the shard (RoPE is wrong
-for every rank but the first); ``"no_grad_allreduce"`` keeps each rank's partial weight gradient.
+for every chunk but rank 0's first: under zig-zag its second chunk, at the end of the sequence, is
+wrong too); ``"no_grad_allreduce"`` keeps each rank's partial weight gradient.
+
+:func:`transport_bytes` prices the four ways Megatron-Core / TransformerEngine move K/V under CP
+(``cp_comm_type``): ``p2p`` (the ring), ``all_gather``, ``a2a`` (Ulysses inside CP: heads for
+sequence, p capped by the query heads, K/V heads repeated beyond H_kv) and ``a2a+p2p`` (a2a inside
+groups of ``inner`` ranks, a ring of K/V between the p/inner groups).
 """
 from __future__ import annotations
 
@@ -37,6 +43,37 @@ from kernels.model.gpt import add_rms_norm_torch, rope
 
 MODES = ("ring", "allgather")
 BROKEN = ("local_positions", "no_grad_allreduce")
+TRANSPORTS = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def transport_bytes(kind: str, n: int, p: int, hq: int, hkv: int, d: int, e: int, inner: int | None = None) -> int:
+    """Bytes one rank sends per layer, forward, for one sequence of n tokens over p CP ranks
+    (hq query and hkv K/V heads of d, e bytes a value).
+
+    p2p         (p - 1) 2 (n/p) hkv d e                       K/V blocks round the ring
+    all_gather  (p - 1)/p 2 n hkv d e                         the same bytes, all K/V held
+    a2a         (p - 1)/p (n/p) (2 hq + 2 hkv') d e           Q, K, V in and O out; hkv' = max(hkv, p)
+    a2a+p2p     a2a over ``inner`` ranks on the group's n/c tokens (c = p/inner groups), then a ring
+                of c - 1 steps of the group's K/V heads, 2 (n/c) (hkv'/inner) d e each
+    """
+    from kernels.dist.sequence_parallel import ulysses_bytes
+
+    if kind not in TRANSPORTS:
+        raise ValueError(f"transport_bytes: kind must be one of {TRANSPORTS}, got {kind!r}")
+    if n % (2 * p):
+        raise ValueError(f"transport_bytes: n = {n} must split into 2p = {2 * p} equal chunks")
+    if kind == "p2p":
+        return (p - 1) * 2 * (n // p) * hkv * d * e
+    if kind == "all_gather":
+        return (p - 1) * 2 * n * hkv * d * e // p
+    a = p if kind == "a2a" else inner
+    if not isinstance(a, int) or a < 1 or p % a or hq % a:
+        raise ValueError(f"transport_bytes: the a2a group ({a}) must divide p = {p} and the {hq} query heads")
+    c = p // a
+    kv_heads = max(hkv, a)                                               # K/V heads repeated up to one a rank
+    a2a = ulysses_bytes(1, n // c, hq, hkv, d, a, e)["forward"]
+    ring_part = (c - 1) * 2 * (n // c) * (kv_heads // a) * d * e
+    return a2a + ring_part
 
 
 class _AllGatherSeq(torch.autograd.Function):

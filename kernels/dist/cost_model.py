@@ -110,3 +110,29 @@ def bus_bandwidth_gbs(algo_bandwidth_gbs: float, p: int, collective: str = "all_
     if collective not in factor:
         raise ValueError(f"bus_bandwidth_gbs: collective must be one of {sorted(factor)}, got {collective!r}")
     return algo_bandwidth_gbs * factor[collective]
+
+
+def all_to_all_seconds(sent_bytes: float, p: int, node_gpus: int, intra_gbs: float, inter_gbs: float) -> float:
+    """Bandwidth-only seconds of an all-to-all in which each of p ranks sends ``sent_bytes`` in
+    equal pieces to its p - 1 peers, the ranks filling nodes of ``node_gpus`` GPUs.
+
+    Of the p - 1 pieces, node_gpus - 1 stay in the node (``intra_gbs``, NVLink) and p - node_gpus
+    leave it; every GPU of a node sends that share at once, so the node's NICs carry node_gpus
+    GPUs' remote bytes and each GPU's share crosses one NIC of ``inter_gbs`` whatever NVLink hop
+    (PXN) routes it there. The two legs run concurrently, so the slower sets the time:
+
+        t = max( (g - 1)/(p - 1) * sent / B_intra ,  (p - g)/(p - 1) * sent / B_inter ),  g = min(node_gpus, p).
+    """
+    _check_p(p)
+    if not isinstance(node_gpus, int) or node_gpus < 1:
+        raise ValueError(f"all_to_all_seconds: node_gpus must be a positive int, got {node_gpus!r}")
+    if p > node_gpus and p % node_gpus:
+        raise ValueError(f"all_to_all_seconds: p = {p} ranks do not fill whole nodes of {node_gpus} GPUs")
+    if min(intra_gbs, inter_gbs) <= 0:
+        raise ValueError(f"all_to_all_seconds: bandwidths must be positive, got {intra_gbs}, {inter_gbs}")
+    if p == 1:
+        return 0.0
+    g = min(node_gpus, p)
+    local = (g - 1) / (p - 1) * sent_bytes / (intra_gbs * 1e9)
+    remote = (p - g) / (p - 1) * sent_bytes / (inter_gbs * 1e9)
+    return max(local, remote)

@@ -9,7 +9,9 @@ holds T_r tokens of its own (its share of the batch) and a copy of the router. O
 2. dispatch: exchange the counts (an all-to-all of p integers), then an all-to-all of the rows
    x[token of each assignment] with those uneven splits, and of each row's expert id;
 3. compute: the received rows, regrouped by local expert, through those experts' SwiGLU
-   (:func:`kernels.moe.grouped_gemm.grouped_gemm_ref`);
+   (``gemm="ref"``: :func:`kernels.moe.grouped_gemm.grouped_gemm_ref`; ``gemm="triton"``: the
+   routing chapter's Triton kernel :func:`kernels.moe.grouped_gemm.grouped_gemm`, which reads the
+   received rows through the regrouping permutation instead of copying them);
 4. combine: the reverse all-to-all brings every row back to its token's rank, in the order it left,
    and :func:`kernels.moe.permute.unpermute_ref` adds the k outputs of each token with its weights.
 
@@ -34,11 +36,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.moe.grouped_gemm import grouped_gemm_ref
+from kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_ref
 from kernels.moe.permute import sort_by_expert, unpermute_ref
 from kernels.moe.router import topk_route_ref
 
 BROKEN = ("no_regroup",)
+
+
+def _triton_gemm(a, w, offsets, rows=None):
+    """The Triton grouped GEMM with the reference's argument order; returns a's dtype."""
+    return grouped_gemm(a, w, offsets, rows=rows)
+
+
+GEMMS = {"ref": grouped_gemm_ref, "triton": _triton_gemm}
 
 
 def expert_rank(expert: torch.Tensor, n_experts: int, p: int) -> torch.Tensor:
@@ -84,11 +94,14 @@ def _counts(dest: torch.Tensor, p: int, group) -> tuple[list[int], list[int]]:
     return send.tolist(), recv.tolist()
 
 
-def ep_moe_forward(layer, x: torch.Tensor, group=None, ledger=None, broken=None) -> torch.Tensor:
+def ep_moe_forward(layer, x: torch.Tensor, group=None, ledger=None, broken=None, gemm: str = "ref") -> torch.Tensor:
     """The MoE layer (a :class:`kernels.moe.model.MoELayer`, its router and all its experts' weights
-    read only for this rank's experts) on this rank's tokens x (T_r, C). Returns (T_r, C)."""
+    read only for this rank's experts) on this rank's tokens x (T_r, C). Returns (T_r, C).
+    ``gemm`` picks the experts' grouped GEMM: "ref" (PyTorch) or "triton" (the routing chapter's kernel)."""
     if broken is not None and broken not in BROKEN:
         raise ValueError(f"ep_moe_forward: broken must be None or one of {BROKEN}, got {broken!r}")
+    if gemm not in GEMMS:
+        raise ValueError(f"ep_moe_forward: gemm must be one of {sorted(GEMMS)}, got {gemm!r}")
     cfg = layer.config
     p, r = dist.get_world_size(group), dist.get_rank(group)
     E, k, per = cfg.n_experts, cfg.top_k, cfg.n_experts // p
@@ -111,9 +124,9 @@ def ep_moe_forward(layer, x: torch.Tensor, group=None, ledger=None, broken=None)
     offsets[1:] = torch.bincount(local, minlength=per).cumsum(0)
     w_gu = layer.w_gate_up[r * per: (r + 1) * per]                            # this rank's experts only
     w_down = layer.w_down[r * per: (r + 1) * per]
-    gu = grouped_gemm_ref(rows, w_gu, offsets, by_expert)                     # (M_in, 2F) in expert order
+    gu = GEMMS[gemm](rows, w_gu, offsets, by_expert)                          # (M_in, 2F) in expert order
     h = F.silu(gu[:, : cfg.d_expert]) * gu[:, cfg.d_expert:]
-    y_sorted = grouped_gemm_ref(h, w_down, offsets)
+    y_sorted = GEMMS[gemm](h, w_down, offsets)
     y_in = torch.empty_like(y_sorted).index_copy(0, by_expert, y_sorted)      # back to arrival order
     y = _AllToAllRows.apply(y_in, recv_counts, send_counts, group, ledger, "combine")    # (M, C) as sent
     return unpermute_ref(y, order, weights).to(x.dtype)
@@ -150,17 +163,20 @@ def tokens(p: int, per_rank: int, d_model: int, seed: int = 1) -> torch.Tensor:
 
 def ep_worker(rank: int, p: int, per_rank: int) -> dict:
     """EP forward and backward of :func:`make_layer` on this rank's tokens (a fixed upstream
-    gradient), then the broken regrouping. Returns outputs, input gradients, the gradients of this
-    rank's experts, the router's (all-reduced), the bytes sent and the rows that left."""
-    layer = make_layer()
-    x_all = tokens(p, per_rank, layer.config.d_model)
-    g_all = tokens(p, per_rank, layer.config.d_model, seed=2)
+    gradient): in float64 with the reference GEMM ("ep"), with the broken regrouping, and in float32
+    through the Triton grouped GEMM ("triton", the interpreter on a CPU). Returns outputs, input
+    gradients, the gradients of this rank's experts, the router's (all-reduced), the bytes sent and
+    the rows that left."""
     out = {}
-    for label, broken in (("ep", None), ("no_regroup", "no_regroup")):
-        layer.zero_grad()
+    for label, broken, gemm, dtype in (("ep", None, "ref", torch.float64),
+                                       ("no_regroup", "no_regroup", "ref", torch.float64),
+                                       ("triton", None, "triton", torch.float32)):
+        layer = make_layer().to(dtype)
+        x_all = tokens(p, per_rank, layer.config.d_model).to(dtype)
+        g_all = tokens(p, per_rank, layer.config.d_model, seed=2).to(dtype)
         x = x_all[rank * per_rank: (rank + 1) * per_rank].clone().requires_grad_(True)
         ledger = {}
-        y = ep_moe_forward(layer, x, None, ledger, broken)
+        y = ep_moe_forward(layer, x, None, ledger, broken, gemm)
         y.backward(g_all[rank * per_rank: (rank + 1) * per_rank])
         router = layer.router.weight.grad.clone()
         dist.all_reduce(router)

@@ -6,7 +6,9 @@ stage runs, per micro-batch, a forward F (receive the activation from the stage 
 output on) and a backward B (receive the gradient from the stage after, send the input gradient
 back). Zero-bubble schedules split B into B (the input gradient, on the critical path) and W (the
 weight gradients, which nothing downstream waits for). An op is ``Op(kind, mb, chunk)``; with
-interleaving a rank holds v model chunks, chunk c of rank s being virtual stage c p + s.
+interleaving a rank holds v model chunks, chunk c of rank s being virtual stage c p + s; in the V
+placement of ZB-V (v = 2) chunk 1 of rank s is virtual stage 2p - 1 - s, so the forward goes down the
+ranks and back up, and rank 0 holds both the first and the last virtual stage.
 
 Bubble (idle) fraction of the step, T_F, T_B, T_W the op times of a whole stage:
 
@@ -17,7 +19,15 @@ Bubble (idle) fraction of the step, T_F, T_B, T_W the op times of a whole stage:
   fraction (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2.2);
 * ZB-H1 (B split into B and W, in flight at most p micro-batches on any stage, 1F1B's peak):
   idle (p - 1)(T_F + T_B - T_W) per stage (Qi et al. 2023, section 2.1), for T_W <= min(T_F, T_B)
-  only (:func:`bubble_zb_h1` raises outside it).
+  only (:func:`bubble_zb_h1` raises outside it);
+* ZB-V (Qi et al. 2024, the V schedule of sail-sg/zero-bubble-pipeline-parallelism): two chunks per
+  rank placed in a V (rank s holds virtual stages s and 2p - 1 - s), B split from W, at most 2p chunk
+  activations (1F1B's p stages' worth) per rank. With T_F = T_B = T_W and m >= 2p every rank is busy
+  from its first op to its last: the only idle time is the (p - 1) chunk forwards the last rank waits
+  before it can start, (p - 1) T_F / 2 over a step of m (T_F + T_B + T_W) plus that idle;
+* DualPipe and DualPipeV (deepseek-ai/DualPipe README): idle (PP/2 - 1)(F&B + B - 3W) in chunk times,
+  B the full backward, F&B a forward and a backward of two micro-batches run overlapped; given here as
+  the README's formula (:func:`bubble_dualpipe`), not simulated.
 
 :func:`simulate` executes the per-stage lists in order, each op starting when its stage is free and
 its inputs exist, and reports start/end times, the bubble fraction and the peak number of
@@ -127,6 +137,80 @@ def zb_h1(p: int, m: int) -> list[list[Op]]:
     return orders
 
 
+def virtual_stage(s: int, chunk: int, p: int, placement: str = "interleaved") -> int:
+    """The virtual stage that chunk ``chunk`` of rank ``s`` runs: c p + s (interleaved, Megatron) or,
+    in ZB-V's V placement (two chunks), s for chunk 0 and 2p - 1 - s for chunk 1."""
+    if placement == "interleaved":
+        return chunk * p + s
+    if placement == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"virtual_stage: the V placement has chunks 0 and 1, got chunk={chunk}")
+        return s if chunk == 0 else 2 * p - 1 - s
+    raise ValueError(f"virtual_stage: placement must be 'interleaved' or 'v', got {placement!r}")
+
+
+def _rank_of(vs: int, p: int, placement: str) -> int:
+    return vs % p if placement == "interleaved" else (vs if vs < p else 2 * p - 1 - vs)
+
+
+# ZB-V's priority among the ops a free rank could start (W only when none of these is ready): finish
+# a micro-batch (B of chunk 0), push an older one down the V (F of chunk 1), then B of chunk 1, then
+# admit a new micro-batch (F of chunk 0) while the rank holds fewer than 2p chunk activations
+_ZB_V_PRIORITY = (("B", 0), ("F", 1), ("B", 1), ("F", 0))
+
+
+def zb_v(p: int, m: int) -> list[list[Op]]:
+    """ZB-V (Qi et al. 2024): two chunks per rank in the V placement, B split from W, each rank holding
+    at most 2p chunk activations (1F1B's peak of p whole stages). The order is built by list
+    scheduling at equal chunk times T_F = T_B = T_W: at each time step a free rank starts the first
+    ready op in ``_ZB_V_PRIORITY``, else its oldest pending W, else waits. For m >= 2p this reaches
+    the lower bound on the step, (p - 1) chunk forwards (the last rank's wait for its first input)
+    plus the 6m chunk ops every rank must run: no rank idles once it has started. The orders are
+    returned for :func:`simulate` (placement="v", v=2) to time under any op times."""
+    _check_pm(p, m, "zb_v")
+    ends: dict = {}                                   # (kind, virtual stage, mb) -> end time step
+    nxt = [{key: 0 for key in _ZB_V_PRIORITY} for _ in range(p)]
+    pending_w = [[] for _ in range(p)]
+    held = [0] * p
+    orders = [[] for _ in range(p)]
+    step, left = 0, 6 * m * p
+
+    def deps(kind: str, vs: int, mb: int) -> list:
+        if kind == "F":
+            return [("F", vs - 1, mb)] if vs > 0 else []
+        return [("F", vs, mb)] + ([("B", vs + 1, mb)] if vs < 2 * p - 1 else [])
+
+    while left:
+        started = []
+        for s in range(p):
+            op = None
+            for kind, chunk in _ZB_V_PRIORITY:
+                mb = nxt[s][(kind, chunk)]
+                if mb >= m or (kind == "F" and held[s] >= 2 * p):
+                    continue
+                vs = virtual_stage(s, chunk, p, "v")
+                if all(ends.get(d, step + 1) <= step for d in deps(kind, vs, mb)):
+                    op = Op(kind, mb, chunk)
+                    break
+            if op is None and pending_w[s]:
+                op = pending_w[s].pop(0)
+            if op is not None:
+                started.append((s, op))
+        for s, op in started:                         # all chosen at this step, then committed
+            ends[(op.kind, virtual_stage(s, op.chunk, p, "v"), op.mb)] = step + 1
+            orders[s].append(op)
+            if op.kind == "W":
+                held[s] -= 1
+            else:
+                nxt[s][(op.kind, op.chunk)] += 1
+                held[s] += op.kind == "F"
+                if op.kind == "B":
+                    pending_w[s].append(Op("W", op.mb, op.chunk))
+        left -= len(started)
+        step += 1
+    return orders
+
+
 # ---------------------------------------------------------------- the simulator
 
 @dataclass
@@ -145,15 +229,18 @@ class Timeline:
 
 
 def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
-             v: int = 1, comm: float = 0.0) -> Timeline:
+             v: int = 1, comm: float = 0.0, placement: str = "interleaved") -> Timeline:
     """Run each stage's list in order. Op costs are for a whole stage (one chunk costs 1/v of it);
     ``t_b`` is the backward without W when the lists contain W ops, with it otherwise.
     Dependencies: F(vs, i) after F(vs - 1, i); B(vs, i) after F(vs, i) and B(vs + 1, i); W after B;
     ``comm`` seconds are added to a dependency that crosses ranks. Activations of micro-batch i are
-    held on a rank from the start of its F until the end of its W (or of its B if there is no W)."""
+    held on a rank from the start of its F until the end of its W (or of its B if there is no W).
+    ``placement`` maps (rank, chunk) to a virtual stage (:func:`virtual_stage`; "v" needs v = 2)."""
     p = len(orders)
     if p < 1:
         raise ValueError("simulate: orders must hold one list per stage")
+    if placement == "v" and v != 2:
+        raise ValueError(f"simulate: the V placement has two chunks per rank, got v={v}")
     has_w = any(op.kind == "W" for order in orders for op in order)
     cost = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
     end: dict = {}
@@ -162,7 +249,7 @@ def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_w: fl
     n_vs = p * v
 
     def ready(s: int, op: Op):
-        vs = op.chunk * p + s
+        vs = virtual_stage(s, op.chunk, p, placement)
         deps = []
         if op.kind == "F" and vs > 0:
             deps.append(("F", vs - 1, op.mb))
@@ -176,7 +263,7 @@ def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_w: fl
         for d in deps:
             if d not in end:
                 return None
-            cross = (d[1] % p) != s
+            cross = _rank_of(d[1], p, placement) != s
             t = max(t, end[d] + (comm if cross else 0.0))
         return t
 
@@ -193,7 +280,7 @@ def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_w: fl
                     break
                 start = max(free[s], t)
                 free[s] = start + cost[op.kind]
-                end[(op.kind, op.chunk * p + s, op.mb)] = free[s]
+                end[(op.kind, virtual_stage(s, op.chunk, p, placement), op.mb)] = free[s]
                 spans[s].append((op, start, free[s]))
                 ptr[s] += 1
                 remaining -= 1
@@ -245,6 +332,38 @@ def bubble_zb_h1(p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
                          f"t_b={t_b}, t_w={t_w}; simulate(zb_h1(p, m), t_f, t_b, t_w) gives the bubble outside it")
     idle = (p - 1) * (t_f + t_b - t_w)
     return idle / (m * (t_f + t_b + t_w) + idle)
+
+
+
+def bubble_zb_v(p: int, m: int, t: float = 1.0) -> float:
+    """ZB-V at T_F = T_B = T_W = t (whole-stage times) and m >= 2p: idle (p - 1) t / 2 per rank (the
+    chunk forwards before the last rank's first input) over a step of 3 m t plus that idle. The paper
+    (Qi et al. 2024) calls this zero bubble: once a rank starts it never waits, and the ramp-up overlaps
+    the previous step's tail when the optimizer's global checks are moved after the update."""
+    _check_pm(p, m, "bubble_zb_v")
+    if m < 2 * p:
+        raise ValueError(f"bubble_zb_v: the count holds for m >= 2p micro-batches, got m={m}, p={p}")
+    if not t > 0:
+        raise ValueError(f"bubble_zb_v: t (the common op time) must be positive, got {t!r}")
+    idle = (p - 1) * t / 2
+    return idle / (3 * m * t + idle)
+
+
+def bubble_dualpipe(pp_stages: int, t_f: float, t_b: float, t_w: float, t_fb: float | None = None) -> float:
+    """Idle time per device of DualPipe and DualPipeV as deepseek-ai/DualPipe's README tabulates it:
+    (PP/2 - 1)(F&B + B - 3W), with PP the number of pipeline stages (even), F, B (the full backward,
+    input and weight gradients) and W the times of one chunk, and F&B the time of a forward and a
+    backward of two micro-batches run overlapped (``t_fb``; without overlap F + B, the default).
+    DualPipe spreads the PP stages over PP devices with two copies of the parameters, DualPipeV over
+    PP/2 devices. Absolute time, not a fraction: the README's table, not a simulation."""
+    if not (isinstance(pp_stages, int) and pp_stages >= 2 and pp_stages % 2 == 0):
+        raise ValueError(f"bubble_dualpipe: pp_stages must be an even int >= 2, got {pp_stages!r}")
+    if not (t_f > 0 and t_b > 0 and 0 <= t_w <= t_b):
+        raise ValueError(f"bubble_dualpipe: need t_f > 0, t_b > 0, 0 <= t_w <= t_b, got {t_f}, {t_b}, {t_w}")
+    fb = t_f + t_b if t_fb is None else t_fb
+    if not max(t_f, t_b) <= fb <= t_f + t_b:
+        raise ValueError(f"bubble_dualpipe: t_fb must lie between max(t_f, t_b) and t_f + t_b, got {t_fb}")
+    return (pp_stages // 2 - 1) * (fb + t_b - 3 * t_w)
 
 
 # ---------------------------------------------------------------- a real pipeline: the tiny GPT over p ranks

@@ -6,16 +6,21 @@ decode, copies in over PCIe each expert a token needs that is not there (Eliseev
 
 * **LRU**: keep the experts used most recently (a token's experts are often the previous token's);
   :func:`simulate` counts hits and misses of a routing trace for any cache size;
-* **speculative prefetch**: while layer l runs, apply layer l+1's router to the hidden state that
-  enters layer l+1's block, guess its experts, and start copying them; a right guess hides the copy
-  behind layer l's compute. :func:`routing_trace` records, per token and layer, the experts the
-  model used and the experts this guess names.
+* **speculative prefetch**: guess layer l's experts before it runs and start copying them; a right
+  guess hides the copy behind whatever compute is left before layer l's experts are needed.
+  :func:`routing_trace` records, per token and layer, the experts the model used and the experts
+  the guess names, from one of two points: ``guess_from="block"`` applies layer l's router to the
+  residual stream *entering block l* (known once block l-1 is done, so the copy can hide only
+  behind block l's attention); ``guess_from="moe"`` applies it to the input of layer l-1's MoE, the
+  hidden state that layer's own gate sees (Eliseev and Mazur's point: the copy hides behind layer
+  l-1's experts and block l's attention, at the price of a guess made from an older state).
 
 The kernel is the grouped GEMM of :mod:`kernels.moe.grouped_gemm` reading its weights from the
 cache through a table ``slot_of`` (expert e is in slot ``slot_of[e]``): :func:`cached_expert_gemm`.
 A copy is bytes / link bandwidth (:mod:`kernels.gpu.interconnect`); :func:`token_time` turns counts
-into modelled seconds per token, assuming the copies of one layer's prefetch overlap the previous
-layer's compute and on-demand copies do not overlap anything.
+into modelled seconds per token: the copies of one layer's prefetch overlap the compute that
+remains between the guess and that layer's experts (``hidden_s_per_layer``, which the guess point
+sets), on-demand copies overlap nothing.
 """
 from __future__ import annotations
 
@@ -33,16 +38,24 @@ from kernels.moe.router import _stable_topk
 # The routing trace of a model
 
 
+GUESS_POINTS = ("block", "moe")
+
+
 @torch.no_grad()
-def routing_trace(model, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_trace(model, idx: torch.Tensor, guess_from: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
     """``(used, guessed)``, each (T, L, k) int64 for the B*S tokens of idx (B, S) in decode order
     (sequence by sequence, position by position): the experts each layer used, and for layers
-    1..L-1 the experts that layer's router picks from the residual stream entering its block
-    (available one block early); layer 0's guess is -1 (nothing runs before it)."""
+    1..L-1 the experts that layer's router picks from the state ``guess_from`` names (module
+    docstring: "block", the stream entering its block; "moe", the input of the previous layer's
+    MoE); layer 0's guess is -1 (nothing runs before it)."""
+    if guess_from not in GUESS_POINTS:
+        raise ValueError(f"routing_trace: guess_from must be one of {GUESS_POINTS}, got {guess_from!r}")
     model.eval()
-    entering = []
+    entering, moe_in = [], []
     hooks = [block.register_forward_pre_hook(lambda _m, args: entering.append(args[0].detach()))
              for block in model.blocks]
+    hooks += [layer.register_forward_pre_hook(lambda _m, args: moe_in.append(args[0].detach()))
+              for layer in model.moe_layers]
     try:
         model(idx)
     finally:
@@ -51,10 +64,14 @@ def routing_trace(model, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     k = model.config.top_k
     used = torch.stack([layer.last_ids for layer in model.moe_layers], dim=1)           # (T, L, k)
     guessed = torch.full_like(used, -1)
-    for layer, (block, x) in enumerate(zip(model.blocks, entering)):
+    for layer, block in enumerate(model.blocks):
         if layer == 0:
             continue
-        h = rms_norm_torch(x, block.norm2.weight, block.eps).reshape(-1, x.shape[-1])   # (T, C) skips this block's attention
+        if guess_from == "block":
+            x = entering[layer]                                                     # skips this block's attention
+            h = rms_norm_torch(x, block.norm2.weight, block.eps).reshape(-1, x.shape[-1])
+        else:
+            h = moe_in[layer - 1].reshape(-1, moe_in[layer - 1].shape[-1])          # (T, C), already normalised
         guessed[:, layer] = _stable_topk(block.moe.router(h), k)
     return used, guessed
 
@@ -131,15 +148,18 @@ def _insert(cache: OrderedDict, expert: int, slots: int, keep: set) -> None:
     cache[expert] = None
 
 
-def token_time(stats: list[CacheStats], expert_bytes: float, link_gbs: float, compute_s_per_layer: float) -> float:
+def token_time(stats: list[CacheStats], expert_bytes: float, link_gbs: float, compute_s_per_layer: float, *,
+               hidden_s_per_layer: float) -> float:
     """Modelled seconds per token: every layer's compute, plus its on-demand copies in full, plus
-    the part of its prefetch copies (right and wrong guesses) that the previous layer's compute
-    does not cover."""
+    the part of its prefetch copies (right and wrong guesses) that the compute between the guess
+    and the layer's experts, ``hidden_s_per_layer``, does not cover."""
+    if not 0 <= hidden_s_per_layer:
+        raise ValueError(f"token_time: hidden_s_per_layer must be >= 0, got {hidden_s_per_layer}")
     copy = expert_bytes / (link_gbs * 1e9)
     total = 0.0
     for st in stats:
         ahead = (st.prefetched + st.wasted) / st.tokens * copy
-        total += compute_s_per_layer + st.misses / st.tokens * copy + max(0.0, ahead - compute_s_per_layer)
+        total += compute_s_per_layer + st.misses / st.tokens * copy + max(0.0, ahead - hidden_s_per_layer)
     return total
 
 

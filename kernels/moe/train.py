@@ -51,6 +51,8 @@ VAL_WINDOWS = 16
 DEVICE_GROUPS = 4          # the device study's "devices": 16 experts, 4 on each
 RESULTS = MODEL_DIR / "results.json"
 CHECKPOINT = MODEL_DIR / "top2.pt"
+SOFT_CHECKPOINT = MODEL_DIR / "soft.pt"
+CHECKPOINTS = {"top2": CHECKPOINT, "soft": SOFT_CHECKPOINT}      # the arms whose weights are kept
 FINE = dict(balance="switch", n_experts=16, top_k=4, d_expert=32)
 ARMS = {
     # balance: the config's balance setting; "bias" routes with sigmoid, the others with softmax ...
@@ -130,6 +132,20 @@ def prefix_loss(model: MoEGPT, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+def swapped_future_loss(model: MoEGPT, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Position t predicted from the true tokens 0..t followed by an *unrelated* future (tokens t+1..
+    of the previous validation window), the window's length kept. Against :func:`prefix_loss` it
+    separates what the future's content gives a non-causal model from what a short input does to
+    it; a causal model gives :func:`evaluate`'s loss."""
+    model.eval()
+    other = x.roll(1, dims=0)                                                            # another window's tokens
+    logits = torch.stack([model(torch.cat([x[:, : t + 1], other[:, t + 1:]], dim=1))[:, t]
+                          for t in range(x.shape[1])], dim=1)                           # (B, S, V)
+    model.train()
+    return float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
+@torch.no_grad()
 def final_eval(model: MoEGPT, x: torch.Tensor, y: torch.Tensor) -> dict:
     """What the chapters read at the end of a run, beyond the validation loss."""
     cfg = model.config
@@ -140,6 +156,8 @@ def final_eval(model: MoEGPT, x: torch.Tensor, y: torch.Tensor) -> dict:
         out["val_dropless"] = round(evaluate(dropless, x, y), 5)
     if cfg.layer == "soft" or cfg == arm_config("top2"):
         out["val_prefix"] = round(prefix_loss(model, x, y), 5)
+    if cfg.layer == "soft":
+        out["val_swapped_future"] = round(swapped_future_loss(model, x, y), 5)
     if cfg.layer == "topk" and cfg.n_experts % DEVICE_GROUPS == 0:
         model.eval()
         model(x)
@@ -228,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = dict(previous.get("seconds", {"+".join(runs): previous.get("train_seconds")} if runs else {}))
     for arm in arms:
         start = time.perf_counter()
-        runs[arm] = run(arm, schedule_steps=args.steps, checkpoint=CHECKPOINT if arm == "top2" else None, **settings)
+        runs[arm] = run(arm, schedule_steps=args.steps, checkpoint=CHECKPOINTS.get(arm), **settings)
         seconds[arm] = round(time.perf_counter() - start)
     results = {"config": json.loads(MoEConfig().to_json()), "settings": settings, "seed": SEED, "threads": args.threads,
                "val_windows": VAL_WINDOWS, "torch": torch.__version__, "seconds": seconds,
