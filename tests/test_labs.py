@@ -1,5 +1,6 @@
 """Labs: with their solutions swapped in they run cleanly under nbval, and every check cell
-rejects the known-wrong implementations kept beside the solutions."""
+rejects the known-wrong implementations kept beside the solutions, naming the slip each one models;
+an answer that calls the course's reference is refused ("write it yourself")."""
 import copy
 import subprocess
 from pathlib import Path
@@ -56,6 +57,9 @@ def test_lab_is_a_set_of_stubs_with_checks_and_solutions(lab):
     for task in tasks:
         kinds = {b.kind for b in blocks if b.task == task}
         assert kinds == {"solution", "wrong"}, f"task {task} needs a solution and at least one wrong block"
+        wrong = [b for b in blocks if b.task == task and b.kind == "wrong"]
+        assert all(b.why and b.hint for b in wrong), f"task {task}: every wrong block declares its slip and the hint its check prints"
+        assert any(b.hint == labs.BORROWED for b in wrong), f"task {task} has no wrong block that borrows the course's reference"
 
 
 @pytest.mark.parametrize("lab", LABS, ids=rel)
@@ -94,7 +98,7 @@ class LabKernel:
         self.done = max(self.done, stop)
 
     def try_wrong(self, block):
-        """(index, ename) of the cell that raised with ``block`` in its task's cell, or None."""
+        """(index, ename, message) of the cell that raised with ``block`` in its task's cell, or None."""
         task, check = labs.tasks(self.nb)[block.task], labs.checks(self.nb)[block.task]
         self.run_solved(task)
         failure = None
@@ -107,7 +111,7 @@ class LabKernel:
                 self.client.execute_cell(cell, i)
                 errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
                 if errors:
-                    failure = (i, errors[0]["ename"])
+                    failure = (i, errors[0]["ename"], errors[0]["evalue"])
                     break
         finally:
             self.client.allow_errors = False
@@ -142,9 +146,12 @@ def lab_kernels(tmp_path_factory):
 def test_check_rejects_a_known_wrong_implementation(lab, block, lab_kernels):
     failure = lab_kernels(lab).try_wrong(block)
     assert failure is not None, f"the check for {block.task} accepted the wrong implementation ({block.why})"
-    index, ename = failure
+    index, ename, message = failure
     assert index == labs.checks(labs.read(lab))[block.task], f"cell {index} failed, not the check for {block.task}"
-    assert ename in ("MismatchError", "AssertionError"), f"the check failed with {ename}, not a mismatch"
+    assert ename in ("MismatchError", "AssertionError", "BorrowedReference"), f"the check failed with {ename}, not a mismatch"
+    assert block.hint in message, f"the check's report does not name the slip ({block.why}): wanted {block.hint!r} in\n{message}"
+    if block.hint == labs.BORROWED:
+        assert ename == "BorrowedReference", f"a borrowed answer failed with {ename}, not as borrowed"
 
 
 def test_the_mechanism_on_a_tiny_lab(tmp_path):
