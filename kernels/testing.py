@@ -216,15 +216,24 @@ class BorrowedReference(MismatchError):
     """Raised when a learner's function, run by a lab's check, calls the course's reference for its task."""
 
 
+class _Refused:
+    """A stand-in for a course reference: calling it, or launching it as a Triton kernel
+    (``kernel[grid](...)``), raises :class:`BorrowedReference`."""
+
+    def __init__(self, reference):
+        target = getattr(reference, "fn", reference)        # a Triton JITFunction wraps its Python function
+        self.where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+    def __call__(self, *args, **kwargs):
+        raise BorrowedReference(f"your function calls the course's reference {self.where}; write it yourself")
+
+    def __getitem__(self, grid):
+        return self
+
+
 def _refusal(reference):
-    """A stand-in for ``reference`` that raises :class:`BorrowedReference` when called."""
-    target = getattr(reference, "fn", reference)            # a Triton JITFunction wraps its Python function
-    where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
-
-    def refused(*args, **kwargs):
-        raise BorrowedReference(f"your function calls the course's reference {where}; write it yourself")
-
-    return refused
+    """A stand-in for ``reference`` that raises :class:`BorrowedReference` when called or launched."""
+    return _Refused(reference)
 
 
 @contextlib.contextmanager
