@@ -1,6 +1,6 @@
 # Solutions for labs/07-attention/flash-attention-forward.ipynb (format: tools/labs.py).
 # CI runs the lab with each solution swapped in, and once per wrong block, expecting that task's
-# check cell, and only that one, to fail.
+# check cell, and only that one, to fail, and its report to contain the block's hint.
 
 # %% solution online-step
 def online_step(m, l, acc, s_blk, v_blk):
@@ -12,7 +12,7 @@ def online_step(m, l, acc, s_blk, v_blk):
     acc_new = alpha * acc + p @ v_blk
     return m_new, l_new, acc_new
 
-# %% wrong online-step: forgets to rescale the accumulator when the max grows
+# %% wrong online-step: forgets to rescale the accumulator when the max grows | hint: the accumulator must be rescaled
 def online_step(m, l, acc, s_blk, v_blk):
     m_new = torch.maximum(m, s_blk.amax(dim=-1, keepdim=True))
     m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
@@ -22,12 +22,27 @@ def online_step(m, l, acc, s_blk, v_blk):
     acc_new = acc + p @ v_blk
     return m_new, l_new, acc_new
 
-# %% wrong online-step: exponentiates against m_new without the -inf guard (NaN on fully masked rows)
+# %% wrong online-step: exponentiates against m_new without the -inf guard (NaN on fully masked rows) | hint: exponentiate against 0 where m' is -inf
 def online_step(m, l, acc, s_blk, v_blk):
     m_new = torch.maximum(m, s_blk.amax(dim=-1, keepdim=True))
     alpha = torch.exp(m - m_new)
     p = torch.exp(s_blk - m_new)
     return m_new, alpha * l + p.sum(dim=-1, keepdim=True), alpha * acc + p @ v_blk
+
+# %% wrong online-step: no running max at all (p = exp(s); exp overflows on large scores) | hint: exp overflowed
+def online_step(m, l, acc, s_blk, v_blk):
+    p = torch.exp(s_blk)
+    return m, l + p.sum(dim=-1, keepdim=True), acc + p @ v_blk
+
+# %% wrong online-step: merges the statistics with the course's merge_softmax_stats | hint: write it yourself
+def online_step(m, l, acc, s_blk, v_blk):
+    from kernels.softmax import merge_softmax_stats
+    m_blk = s_blk.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isneginf(m_blk), torch.zeros_like(m_blk), m_blk)
+    p = torch.exp(s_blk - m_safe)
+    m_new, l_new = merge_softmax_stats(m, l, m_blk, p.sum(dim=-1, keepdim=True))
+    new_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    return m_new, l_new, torch.exp(m - new_safe) * acc + torch.exp(m_blk - new_safe) * (p @ v_blk)
 
 # %% solution triton-inner-loop
 @triton.jit
@@ -67,7 +82,7 @@ def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
     tl.store(o_ptr + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], o,
              mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
 
-# %% wrong triton-inner-loop: forgets to rescale the accumulator (acc * alpha)
+# %% wrong triton-inner-loop: forgets to rescale the accumulator (acc * alpha) | hint: the accumulator must be rescaled
 @triton.jit
 def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
                          stride_qh, stride_qm, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_om,
@@ -103,3 +118,6 @@ def lab_flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, Nq, Nk, D, qk_scale,
     o = acc / l_safe[:, None]
     tl.store(o_ptr + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], o,
              mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+
+# %% wrong triton-inner-loop: the course's kernel launched in place of the lab's | hint: write it yourself
+from kernels.attention.flash import _flash_fwd_kernel as lab_flash_fwd_kernel
