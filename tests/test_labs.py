@@ -171,3 +171,14 @@ def test_the_mechanism_on_a_tiny_lab(tmp_path):
     assert run_under_nbval(labs.solved(nb, blocks), tmp_path).returncode == 0
     assert failing_cell(labs.solved(nb, blocks, wrong=blocks[1]), tmp_path) == (2, "MismatchError")
     assert failing_cell(labs.solved(nb, blocks, wrong=blocks[2]), tmp_path) is None  # x + 1 == 2x on ones: a weak check lets it pass
+
+
+def test_the_labs_index_lists_every_lab_with_its_time():
+    """labs/README.md, the page the labs open on, links every lab and gives its time on one core."""
+    index = (labs.LABS / "README.md").read_text()
+    rows = {line.split("](")[1].split(")")[0]: line for line in index.splitlines() if line.startswith("|") and "](" in line}
+    for lab in LABS:
+        link = lab.relative_to(labs.LABS).as_posix()
+        assert link in rows, f"labs/README.md does not list {link}"
+        assert rows[link].rstrip(" |").endswith(" s"), f"labs/README.md gives no time for {link}"
+    assert len(rows) == len(LABS), f"labs/README.md lists labs that do not exist: {sorted(set(rows) - {l.relative_to(labs.LABS).as_posix() for l in LABS})}"
