@@ -18,7 +18,10 @@ edge reads NaN, and the NaN shows up in the output.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,25 +212,149 @@ def nan_canary(x: torch.Tensor, pad: int = 64, *, rows: bool = False) -> torch.T
     return view.requires_grad_(x.requires_grad)
 
 
-def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.dtype | None = None) -> int:
+class BorrowedReference(MismatchError):
+    """Raised when a learner's function, run by a lab's check, calls the course's reference for its task."""
+
+
+class _Refused:
+    """A stand-in for a course reference: calling it, or launching it as a Triton kernel
+    (``kernel[grid](...)``), raises :class:`BorrowedReference`."""
+
+    def __init__(self, reference):
+        target = getattr(reference, "fn", reference)        # a Triton JITFunction wraps its Python function
+        self.where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+    def __call__(self, *args, **kwargs):
+        raise BorrowedReference(f"your function calls the course's reference {self.where}; write it yourself")
+
+    def __getitem__(self, grid):
+        return self
+
+
+def _refusal(reference):
+    """A stand-in for ``reference`` that raises :class:`BorrowedReference` when called or launched."""
+    return _Refused(reference)
+
+
+@contextlib.contextmanager
+def refusing(references, namespace: dict | None = None):
+    """While the block runs, every name bound to one of ``references`` raises :class:`BorrowedReference`
+    when called: the names in every loaded ``kernels`` module (``kernels.x.f``, ``import kernels.x as m``,
+    a package's re-export) and in ``namespace`` (the learner's globals: ``from kernels.x import f``).
+    The original bindings are restored on exit, so the check's own call of the reference is unaffected."""
+    stand_ins = {id(r): _refusal(r) for r in references}
+    scopes = [m.__dict__ for n, m in list(sys.modules.items()) if n == "kernels" or n.startswith("kernels.")]
+    if namespace is not None:
+        scopes.append(namespace)
+    bound = [(scope, key, value) for scope in scopes for key, value in list(scope.items()) if id(value) in stand_ins]
+    try:
+        for scope, key, value in bound:
+            scope[key] = stand_ins[id(value)]
+        yield
+    finally:
+        for scope, key, value in bound:
+            scope[key] = value
+
+
+def own(fn, *references):
+    """``fn`` run with the course's ``references`` refused (:func:`refusing`, in ``fn``'s globals too):
+    a lab's check wraps the learner's function in it, so an answer that calls the reference fails
+    with "your function calls the course's reference ...; write it yourself"."""
+    if not references:
+        raise ValueError("own: name at least one reference to refuse")
+
+    @functools.wraps(fn)
+    def owned(*args, **kwargs):
+        with refusing(references, getattr(fn, "__globals__", None)):
+            return fn(*args, **kwargs)
+
+    return owned
+
+
+def _same(a, b) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a != a) & (b != b)).all())   # NaN equals NaN here
+
+
+def _dtype_slip(got, want) -> str | None:
+    """"result is float64, the reference returns float32" when a tensor result's dtype differs."""
+    pairs = list(zip(got, want)) if isinstance(got, tuple) and isinstance(want, tuple) else [(got, want)]
+    for i, (g, w) in enumerate(pairs):
+        if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and g.dtype != w.dtype:
+            which = f"result {i}" if len(pairs) > 1 else "result"
+            name = lambda d: str(d).removeprefix("torch.")   # noqa: E731
+            return f"{which} is {name(g.dtype)}, the reference returns {name(w.dtype)} (the task asks for {name(w.dtype)})"
+    return None
+
+
+def _borrowed(err: BaseException) -> str | None:
+    """The refusal's message if ``err`` is, wraps or quotes a :class:`BorrowedReference` (the Triton
+    interpreter re-raises errors from inside a kernel under its own type)."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, BorrowedReference) or "; write it yourself" in str(seen):
+            text = str(seen)
+            return text[text.index("your function calls"):] if "your function calls" in text else text
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _notes(hints, got, want, args) -> list[str]:
+    """The messages of the hints that apply (``got`` is None when the function raised); a hint that
+    itself fails is skipped, so it never hides the report."""
+    notes = []
+    for hint in hints:
+        try:
+            note = hint(got, want, *args)
+        except Exception:
+            note = None
+        if note:
+            notes.append(note)
+    return notes
+
+
+def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.dtype | None = None,
+                refuse=(), hints=()) -> int:
     """Compare ``fn(*case)`` with ``reference(*case)`` for every case; the labs' check.
 
-    Each case is a tuple of arguments. The first case whose result differs raises
-    :class:`MismatchError` whose report names the case (its input shapes) and the first mismatching
-    elements. Returns the number of cases checked, so a check cell can print it.
+    Each case is a tuple of arguments (tensors are passed as they are, so a NaN canary keeps its
+    padding). The reference runs first; an argument that ``fn`` then changed in place is reported as
+    such, not as a wrong value. A result whose
+    dtype differs from the reference's is reported before its values. ``refuse`` lists the course's
+    references for the task: while ``fn`` runs they raise (:func:`own`). ``hints`` are functions
+    ``hint(got, want, *case) -> str | None`` that name the slip, in the mechanism's terms, when a case
+    differs (``got`` is None when the function raised); each message that applies is
+    appended to the report. The first case that differs raises
+    :class:`MismatchError` naming the case (its input shapes) and the first mismatching elements.
+    Returns the number of cases checked, so a check cell can print it.
     """
     label = name or getattr(fn, "__name__", "function")
+    run = own(fn, *refuse) if refuse else fn
     for i, case in enumerate(cases):
         args = case if isinstance(case, tuple) else (case,)
         shapes = ", ".join(str(tuple(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)
-        got = fn(*args)
+        where = f"{label} on case {i} (inputs {shapes})"
         want = reference(*args)
+        before = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
         try:
-            assert_close(got, want, dtype=dtype, name=f"{label} on case {i} (inputs {shapes})")
-        except MismatchError:
-            raise
+            got = run(*args)
         except Exception as err:
-            raise MismatchError(f"{label} on case {i} (inputs {shapes}): {err}") from err
+            borrowed = _borrowed(err)
+            if borrowed:
+                raise BorrowedReference(f"{where}: {borrowed}") from err
+            raise MismatchError(f"{where}: your function raised {type(err).__name__}: {err}"
+                                + "".join(f"\n  hint: {h}" for h in _notes(hints, None, want, args))) from err
+        changed = [j for j, (a, b) in enumerate(zip(args, before)) if isinstance(a, torch.Tensor) and not _same(a, b)]
+        if changed:
+            raise MismatchError(f"{where}: your function modified its input argument {changed[0]} in place "
+                                "(the task returns a new tensor and leaves its inputs alone)")
+        try:
+            slip = _dtype_slip(got, want)
+            if slip:
+                raise MismatchError(f"{where}: {slip}")
+            assert_close(got, want, dtype=dtype, name=where)
+        except Exception as err:
+            report = str(err) if isinstance(err, MismatchError) else f"{where}: {err}"
+            raise MismatchError(report + "".join(f"\n  hint: {h}" for h in _notes(hints, got, want, args))) from err
     return len(cases)
 
 

@@ -1,5 +1,6 @@
 """Labs: with their solutions swapped in they run cleanly under nbval, and every check cell
-rejects the known-wrong implementations kept beside the solutions."""
+rejects the known-wrong implementations kept beside the solutions, naming the slip each one models;
+an answer that calls the course's reference is refused ("write it yourself")."""
 import copy
 import subprocess
 from pathlib import Path
@@ -56,6 +57,9 @@ def test_lab_is_a_set_of_stubs_with_checks_and_solutions(lab):
     for task in tasks:
         kinds = {b.kind for b in blocks if b.task == task}
         assert kinds == {"solution", "wrong"}, f"task {task} needs a solution and at least one wrong block"
+        wrong = [b for b in blocks if b.task == task and b.kind == "wrong"]
+        assert all(b.why and b.hint for b in wrong), f"task {task}: every wrong block declares its slip and the hint its check prints"
+        assert any(b.hint == labs.BORROWED for b in wrong), f"task {task} has no wrong block that borrows the course's reference"
 
 
 @pytest.mark.parametrize("lab", LABS, ids=rel)
@@ -94,7 +98,7 @@ class LabKernel:
         self.done = max(self.done, stop)
 
     def try_wrong(self, block):
-        """(index, ename) of the cell that raised with ``block`` in its task's cell, or None."""
+        """(index, ename, message) of the cell that raised with ``block`` in its task's cell, or None."""
         task, check = labs.tasks(self.nb)[block.task], labs.checks(self.nb)[block.task]
         self.run_solved(task)
         failure = None
@@ -107,7 +111,7 @@ class LabKernel:
                 self.client.execute_cell(cell, i)
                 errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
                 if errors:
-                    failure = (i, errors[0]["ename"])
+                    failure = (i, errors[0]["ename"], errors[0]["evalue"])
                     break
         finally:
             self.client.allow_errors = False
@@ -142,9 +146,12 @@ def lab_kernels(tmp_path_factory):
 def test_check_rejects_a_known_wrong_implementation(lab, block, lab_kernels):
     failure = lab_kernels(lab).try_wrong(block)
     assert failure is not None, f"the check for {block.task} accepted the wrong implementation ({block.why})"
-    index, ename = failure
+    index, ename, message = failure
     assert index == labs.checks(labs.read(lab))[block.task], f"cell {index} failed, not the check for {block.task}"
-    assert ename in ("MismatchError", "AssertionError"), f"the check failed with {ename}, not a mismatch"
+    assert ename in ("MismatchError", "AssertionError", "BorrowedReference"), f"the check failed with {ename}, not a mismatch"
+    assert block.hint in message, f"the check's report does not name the slip ({block.why}): wanted {block.hint!r} in\n{message}"
+    if block.hint == labs.BORROWED:
+        assert ename == "BorrowedReference", f"a borrowed answer failed with {ename}, not as borrowed"
 
 
 def test_the_mechanism_on_a_tiny_lab(tmp_path):
@@ -164,3 +171,14 @@ def test_the_mechanism_on_a_tiny_lab(tmp_path):
     assert run_under_nbval(labs.solved(nb, blocks), tmp_path).returncode == 0
     assert failing_cell(labs.solved(nb, blocks, wrong=blocks[1]), tmp_path) == (2, "MismatchError")
     assert failing_cell(labs.solved(nb, blocks, wrong=blocks[2]), tmp_path) is None  # x + 1 == 2x on ones: a weak check lets it pass
+
+
+def test_the_labs_index_lists_every_lab_with_its_time():
+    """labs/README.md, the page the labs open on, links every lab and gives its time on one core."""
+    index = (labs.LABS / "README.md").read_text()
+    rows = {line.split("](")[1].split(")")[0]: line for line in index.splitlines() if line.startswith("|") and "](" in line}
+    for lab in LABS:
+        link = lab.relative_to(labs.LABS).as_posix()
+        assert link in rows, f"labs/README.md does not list {link}"
+        assert rows[link].rstrip(" |").endswith(" s"), f"labs/README.md gives no time for {link}"
+    assert len(rows) == len(LABS), f"labs/README.md lists labs that do not exist: {sorted(set(rows) - {l.relative_to(labs.LABS).as_posix() for l in LABS})}"

@@ -11,11 +11,16 @@ Its solutions live in ``labs/solutions/<lab>.py`` (outside the rendered book), a
 
     # %% solution NAME
     <the code that solves task NAME>
-    # %% wrong NAME: what is wrong with it
+    # %% wrong NAME: the slip it models | hint: words the check's report must contain
     <a plausible mistake that the check for NAME must reject>
 
 CI runs each lab with every task solved (under nbval), and once per wrong block with that one
-task replaced by the mistake, expecting the matching check cell, and no other, to fail.
+task replaced by the mistake, expecting the matching check cell, and no other, to fail, and its
+report to contain the block's hint: the check names the slip in the mechanism's terms
+(``kernels.testing.check_cases(..., hints=...)``), not only the tensor that differs. Every task has
+a wrong block that calls the course's reference for it; its check runs the learner's function with
+those references refused (``check_cases(..., refuse=...)``, ``kernels.testing.own``), so the hint of
+that block is the refusal's "write it yourself".
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 LABS = ROOT / "labs"
 SOLUTIONS = LABS / "solutions"
-_BLOCK = re.compile(r"^# %% (solution|wrong) ([\w-]+)(?::\s*(.*))?$")
+_BLOCK = re.compile(r"^# %% (solution|wrong) ([\w-]+)(?::\s*(.*?))?(?:\s*\|\s*hint:\s*(.*))?$")
+BORROWED = "write it yourself"  # the hint of a block that calls the course's reference
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,8 @@ class Block:
     kind: str  # "solution" or "wrong"
     task: str
     source: str
-    why: str = ""  # for a wrong block: what is wrong with it
+    why: str = ""  # for a wrong block: the slip it models
+    hint: str = ""  # for a wrong block: what its check's report must say about that slip
 
 
 def lab_notebooks() -> list[Path]:
@@ -55,14 +62,14 @@ def load_blocks(path: Path) -> list[Block]:
 
     def flush():
         if header:
-            kind, task, why = header
-            blocks.append(Block(kind, task, "\n".join(lines).strip("\n") + "\n", why or ""))
+            kind, task, why, hint = header
+            blocks.append(Block(kind, task, "\n".join(lines).strip("\n") + "\n", why or "", hint or ""))
 
     for line in path.read_text().splitlines():
         m = _BLOCK.match(line)
         if m:
             flush()
-            header, lines = (m.group(1), m.group(2), m.group(3)), []
+            header, lines = m.groups(), []
         elif header:
             lines.append(line)
     flush()

@@ -7,25 +7,37 @@ def streaming_keep(P, budget, sinks):
     recent = torch.arange(P - (budget - sinks), P)      # the last budget - sinks positions
     return torch.cat([torch.arange(sinks), recent])
 
-# %% wrong streaming: no sinks, the whole budget goes to the recent window
+# %% wrong streaming: no sinks, the whole budget goes to the recent window | hint: attention sinks, are not all kept
 def streaming_keep(P, budget, sinks):
     return torch.arange(P - budget, P)
 
-# %% wrong streaming: the recent window is shifted left by the sinks and misses the newest tokens
+# %% wrong streaming: the recent window is shifted left by the sinks and misses the newest tokens | hint: the recent window ends at position
 def streaming_keep(P, budget, sinks):
     return torch.cat([torch.arange(sinks), torch.arange(P - budget, P - sinks)])
+
+# %% wrong streaming: calls the course's function | hint: write it yourself
+def streaming_keep(P, budget, sinks):
+    from kernels.kvcache import eviction
+    return eviction.streaming_keep(P, budget, sinks)
 
 # %% solution accumulate
 def accumulated_attention(probs):
     return probs.sum(dim=(2, 3))                        # over the group's heads and every query row
 
-# %% wrong accumulate: only the last query row (the newest token's attention), not the accumulation
+# %% wrong accumulate: only the last query row (the newest token's attention), not the accumulation | hint: one query row per head
 def accumulated_attention(probs):
     return probs[..., -1, :].sum(dim=2)
 
-# %% wrong accumulate: only the group's first query head
+# %% wrong accumulate: only the group's first query head | hint: add the group's
 def accumulated_attention(probs):
     return probs[:, :, 0].sum(dim=2)
+
+# %% wrong accumulate: calls the course's function | hint: write it yourself
+from kernels.kvcache.eviction import accumulated_attention as course_scores
+
+
+def accumulated_attention(probs):
+    return course_scores(probs)
 
 # %% solution h2o
 def h2o_keep(scores, budget, recent):
@@ -34,31 +46,47 @@ def h2o_keep(scores, budget, recent):
     tail = torch.arange(P - recent, P).expand(*scores.shape[:-1], recent)
     return torch.cat([heavy, tail], dim=-1).sort(dim=-1).values
 
-# %% wrong h2o: ranks the recent positions too, so a high-scoring recent key takes a heavy-hitter place twice
+# %% wrong h2o: ranks the recent positions too, so a high-scoring recent key takes a heavy-hitter place twice | hint: is kept twice
 def h2o_keep(scores, budget, recent):
     P = scores.shape[-1]
     heavy = scores.topk(budget - recent, dim=-1).indices
     tail = torch.arange(P - recent, P).expand(*scores.shape[:-1], recent)
     return torch.cat([heavy, tail], dim=-1).sort(dim=-1).values
 
-# %% wrong h2o: keeps the first positions as the "recent" window (confuses it with sinks)
+# %% wrong h2o: keeps the first positions as the "recent" window (confuses it with sinks) | hint: the recent window, positions
 def h2o_keep(scores, budget, recent):
     heavy = scores[..., recent:].topk(budget - recent, dim=-1).indices + recent
     head = torch.arange(recent).expand(*scores.shape[:-1], recent)
     return torch.cat([head, heavy], dim=-1).sort(dim=-1).values
 
-# %% solution mean
-def mean_attention(probs):
-    P = probs.shape[-1]
-    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]       # row i against uniform 1/(i+1)
-    return relative.sum(dim=(2, 3)) / torch.arange(P, 0, -1, dtype=probs.dtype)  # mean over the P - j rows
+# %% wrong h2o: calls the course's function | hint: write it yourself
+def h2o_keep(scores, budget, recent):
+    import kernels.kvcache.eviction as ev
+    return ev.h2o_keep(scores, budget, recent)
 
-# %% wrong mean: divides the column sum by P - j only, so early rows (few keys, large probabilities) still weigh more
+# %% solution mean-attention
 def mean_attention(probs):
-    P = probs.shape[-1]
-    return probs.sum(dim=(2, 3)) / torch.arange(P, 0, -1, dtype=probs.dtype)
+    B, Hkv, group, P, _ = probs.shape
+    seen_by = group * (P - torch.arange(P, dtype=probs.dtype))   # key j is seen by rows j .. P-1 of each head
+    return accumulated_attention(probs) / seen_by
 
-# %% wrong mean: divides by P for every key instead of the P - j rows that see key j
+# %% wrong mean-attention: divides every key by P, the number of query rows | hint: P for every key
 def mean_attention(probs):
-    P = probs.shape[-1]
-    return (probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]).sum(dim=(2, 3)) / P
+    B, Hkv, group, P, _ = probs.shape
+    return accumulated_attention(probs) / (group * P)
+
+# %% wrong mean-attention: counts the rows after key j, not row j itself | hint: off-by-one count, P - j - 1
+def mean_attention(probs):
+    B, Hkv, group, P, _ = probs.shape
+    return accumulated_attention(probs) / (group * (P - 1 - torch.arange(P)).clamp(min=1))
+
+# %% wrong mean-attention: divides by the rows of one head, forgetting the group | hint: a count without the group
+def mean_attention(probs):
+    B, Hkv, group, P, _ = probs.shape
+    return accumulated_attention(probs) / (P - torch.arange(P, dtype=probs.dtype))
+
+# %% wrong mean-attention: calls the course's accumulated score | hint: write it yourself
+def mean_attention(probs):
+    from kernels.kvcache import eviction
+    B, Hkv, group, P, _ = probs.shape
+    return eviction.accumulated_attention(probs) / (group * (P - torch.arange(P, dtype=probs.dtype)))

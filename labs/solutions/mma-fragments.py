@@ -1,6 +1,6 @@
 # Solutions for labs/14-ptx/mma-fragments.ipynb (format: tools/labs.py).
 # CI runs the lab with each solution swapped in, and once per wrong block, expecting that task's
-# check cell, and only that one, to fail.
+# check cell, and only that one, to fail, and its report to contain the block's hint.
 
 # %% solution a-index
 def a_index(lane: int, i: int) -> tuple[int, int]:
@@ -9,12 +9,17 @@ def a_index(lane: int, i: int) -> tuple[int, int]:
     col = 2 * t + (i % 2) + 8 * (i // 4)           # registers 2 and 3 hold columns 8-15
     return row, col
 
-# %% wrong a-index: registers 1 and 2 swapped (columns +8 taken for rows +8)
+# %% wrong a-index: registers 1 and 2 swapped (columns +8 taken for rows +8) | hint: registers 1 and 2 are swapped
 def a_index(lane: int, i: int) -> tuple[int, int]:
     g, t = lane // 4, lane % 4
     row = g + 8 * (i // 4)
     col = 2 * t + (i % 2) + 8 * ((i // 2) % 2)
     return row, col
+
+# %% wrong a-index: reads the ISA layout from the module | hint: write it yourself
+def a_index(lane: int, i: int) -> tuple[int, int]:
+    from kernels.ptx.fragments import mma_layout
+    return tuple(int(v) for v in mma_layout("a")[lane, i])
 
 # %% solution b-index
 def b_index(lane: int, i: int) -> tuple[int, int]:
@@ -23,17 +28,27 @@ def b_index(lane: int, i: int) -> tuple[int, int]:
     n = g                                          # a group of four threads shares column n
     return k, n
 
-# %% wrong b-index: the pairs laid along n, as if B were row-major like A
+# %% wrong b-index: the pairs laid along n, as if B were row-major like A | hint: neighbours along k
 def b_index(lane: int, i: int) -> tuple[int, int]:
     g, t = lane // 4, lane % 4
     return g + 8 * (i // 2), 2 * t + (i % 2)
+
+# %% wrong b-index: reads the ISA layout from the module | hint: write it yourself
+def b_index(lane: int, i: int) -> tuple[int, int]:
+    import kernels.ptx.fragments as fragments
+    return tuple(int(v) for v in fragments.mma_layout("b")[lane, i])
 
 # %% solution c-index
 def c_index(lane: int, i: int) -> tuple[int, int]:
     g, t = lane // 4, lane % 4
     return g + 8 * (i // 2), 2 * t + (i % 2)
 
-# %% wrong c-index: slots 1 and 2 swapped (the second value taken 8 rows down, not one column right)
+# %% wrong c-index: slots 1 and 2 swapped (the second value taken 8 rows down, not one column right) | hint: slots 1 and 2 are swapped
 def c_index(lane: int, i: int) -> tuple[int, int]:
     g, t = lane // 4, lane % 4
     return g + 8 * (i % 2), 2 * t + (i // 2)
+
+# %% wrong c-index: reads the ISA layout from the module | hint: write it yourself
+def c_index(lane: int, i: int) -> tuple[int, int]:
+    from kernels.ptx.fragments import mma_layout
+    return tuple(int(v) for v in mma_layout("c")[lane, i])

@@ -1,6 +1,6 @@
 # Solutions for labs/03-softmax/online-softmax-and-rmsnorm.ipynb (format: tools/labs.py).
 # CI runs the lab with each solution swapped in, and once per wrong block, expecting that task's
-# check cell, and only that one, to fail.
+# check cell, and only that one, to fail, and its report to contain the block's hint.
 
 # %% solution online-softmax
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
@@ -14,7 +14,7 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
         m = m_new
     return torch.exp(x - m) / l
 
-# %% wrong online-softmax: no max subtraction (exp overflows on large logits)
+# %% wrong online-softmax: no max subtraction (exp overflows on large logits) | hint: exp overflowed to inf
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     x = x.float()
     l = torch.zeros((*x.shape[:-1], 1))
@@ -22,7 +22,7 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
         l = l + torch.exp(x[..., start:start + block]).sum(dim=-1, keepdim=True)
     return torch.exp(x) / l
 
-# %% wrong online-softmax: the running sum is not rescaled when the max grows
+# %% wrong online-softmax: the running sum is not rescaled when the max grows | hint: rescale it by exp(m - m')
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     x = x.float()
     m = torch.full((*x.shape[:-1], 1), float("-inf"))
@@ -33,6 +33,23 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
         l = l + torch.exp(blk - m_new).sum(dim=-1, keepdim=True)
         m = m_new
     return torch.exp(x - m) / l
+
+# %% wrong online-softmax: the running max starts at 0 instead of -inf | hint: must start at -inf
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    m = torch.zeros((*x.shape[:-1], 1))
+    l = torch.zeros((*x.shape[:-1], 1))
+    for start in range(0, x.shape[-1], block):
+        blk = x[..., start:start + block]
+        m_new = torch.maximum(m, blk.amax(dim=-1, keepdim=True))
+        l = l * torch.exp(m - m_new) + torch.exp(blk - m_new).sum(dim=-1, keepdim=True)
+        m = m_new
+    return torch.exp(x - m) / l
+
+# %% wrong online-softmax: calls the course's online softmax | hint: write it yourself
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    import kernels.softmax
+    return kernels.softmax.online_softmax_ref(x.float(), block=block)
 
 # %% solution rms-norm
 @triton.jit
@@ -52,7 +69,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     rms_norm_fwd_kernel[(rows,)](x, weight, y, n, x.stride(0), eps, BLOCK_N=triton.next_power_of_2(n))
     return y
 
-# %% wrong rms-norm: subtracts the mean (that is LayerNorm without the bias)
+# %% wrong rms-norm: subtracts the mean (that is LayerNorm without the bias) | hint: that is LayerNorm
 @triton.jit
 def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):
     row = tl.program_id(0)
@@ -71,7 +88,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     rms_norm_fwd_kernel[(rows,)](x, weight, y, n, x.stride(0), eps, BLOCK_N=triton.next_power_of_2(n))
     return y
 
-# %% wrong rms-norm: loads without the mask (reads past the end of each row)
+# %% wrong rms-norm: loads without the mask (reads past the end of each row) | hint: read lanes past the end of the row
 @triton.jit
 def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):
     row = tl.program_id(0)
@@ -88,3 +105,26 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     rms_norm_fwd_kernel[(rows,)](x, weight, y, n, x.stride(0), eps, BLOCK_N=triton.next_power_of_2(n))
     return y
+
+# %% wrong rms-norm: eps outside the square root, 1 / (sqrt(ms) + eps) | hint: eps goes inside the square root
+@triton.jit
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / (tl.sqrt(tl.sum(x * x, axis=0) / n) + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    rms_norm_fwd_kernel[(rows,)](x, weight, y, n, x.stride(0), eps, BLOCK_N=triton.next_power_of_2(n))
+    return y
+
+# %% wrong rms-norm: calls the course's RMSNorm | hint: write it yourself
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    from kernels.norm import rms_norm
+    return rms_norm(x, weight, eps)
