@@ -233,6 +233,26 @@ def test_schedule_closed_forms():
     # two groups, twice the rows: steady state one (GEMM1 + GEMM0 + softmax) per block per group
     assert F3.makespan(pp) < 2 * F3.makespan(serial)
     assert F3.tensor_core_busy(pp) / F3.makespan(pp) > F3.tensor_core_busy(serial) / F3.makespan(serial)
+    for ev in (serial, intra, pp):
+        assert F3.unit_utilisation(ev) <= 1                 # the SM's exp2/FP32 units never over-subscribed
+
+
+def test_pingpong_shares_the_sms_softmax_units():
+    """The softmax is priced at the whole SM's MUFU/FP32 rate, so the two groups' softmaxes take turns:
+    the makespan is at least the softmax work of both groups (the issue-39 case: 16 blocks of the sm_90a
+    build's 512/1296/512 clocks need 41,472 clocks of those units)."""
+    n, g, sm = 16, 512.0, 1296.0
+    pp = F3.schedule("pingpong", n, g, sm, g)
+    assert F3.unit_utilisation(pp) == 1.0 and F3.makespan(pp) >= 2 * n * sm
+    assert F3.tensor_core_busy(pp) / F3.makespan(pp) < 0.78
+    softmaxes = sorted((e.start, e.end) for e in pp if e.kind == "softmax")
+    assert all(a[1] <= b[0] for a, b in zip(softmaxes, softmaxes[1:]))   # one at a time, in order
+
+
+def test_unshared_softmax_units_are_caught():
+    broken = F3.schedule("pingpong", 16, 512.0, 1296.0, 512.0, shared_units=False)
+    assert F3.unit_utilisation(broken) == 2.0               # two softmaxes at once, each at the SM's full rate
+    assert F3.makespan(broken) < 2 * 16 * 1296.0            # shorter than the units' work: impossible
 
 
 def test_pingpong_without_its_barrier_is_caught():

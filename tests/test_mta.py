@@ -1,6 +1,6 @@
 """kernels/attention/mta.py: the key-query convolution kernel against the reference (tails, several
 blocks, one token, non-causal, NaN canaries), the reference against the paper's conv2d route, the
-causal leak of the broken variant (mask only after the conv), MTA at identity = standard attention,
+causal leak of the broken variant (mask only after the conv), the GEMM-plus-band form, MTA at identity = standard attention,
 head mixing, the pair task and the sm90a build of the 830M layer."""
 import kernels  # noqa: F401
 import pytest
@@ -48,6 +48,30 @@ def test_reference_equals_the_conv2d_route():
         a, b = M.key_query_conv_ref(s, th, causal=causal), M.key_query_conv_conv2d(s, th, causal=causal)
         fin = torch.isfinite(a)
         assert torch.equal(fin, torch.isfinite(b)) and float((a[fin] - b[fin]).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("N,cq,ck", [(40, 6, 11), (7, 3, 5), (1, 2, 3)])
+def test_gemm_route_equals_the_reference_and_needs_only_the_band(N, cq, ck):
+    """The pre-softmax conv as one GEMM (inner dim c_q D) minus a band correction equals the reference;
+    the correction vanishes outside c_q - 1 + p diagonals; the GEMM without it (the broken variant,
+    Mask_0 ignored) is wrong on every band entry that reads a future logit."""
+    g = torch.Generator().manual_seed(N)
+    q, k = (torch.randn(2, 3, N, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    th = torch.randn(3, cq, ck, generator=g, dtype=torch.float64)
+    ref = M.key_query_conv_ref(q @ k.transpose(-1, -2) / 4.0, th)
+    out, gemm, fix = M.key_query_conv_gemm(q, k, th, return_parts=True)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)) and float((out[fin] - ref[fin]).abs().max()) < 1e-10
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    band = (j <= i) & (j > i - (cq - 1 + (ck - 1) // 2))
+    assert (fix[..., (j <= i) & ~band] == 0).all()
+    reads_future = band & (j + (ck - 1) // 2 > i)                       # tap (0, 0) reads S[i, j + p], c > r
+    if N > 1:
+        assert ((gemm - ref).abs()[..., reads_future] > 1e-6).all()
+    noncausal = M.key_query_conv_ref(q @ k.transpose(-1, -2) / 4.0, th, causal=False)
+    assert float((M.key_query_conv_gemm(q, k, th, causal=False) - noncausal).abs().max()) < 1e-10
+    with pytest.raises(ValueError, match="q and k"):
+        M.key_query_conv_gemm(q, k[..., :8], th)
 
 
 def test_broken_variant_leaks_future_keys_and_the_kernel_does_not():

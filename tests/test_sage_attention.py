@@ -110,7 +110,8 @@ def test_bad_inputs_are_refused_by_name():
 
 @pytest.fixture(scope="module")
 def builds():
-    jobs = S.compile_jobs()
+    """The kernel and its folded broken variant for sm89, sm90a and sm120, in one batched compile."""
+    jobs = {**S.compile_jobs(), **S.compile_jobs(two_level=False)}
     return dict(zip(jobs, ki.compile_triton_many(list(jobs.values()), archs=("sm89", "sm90", "sm120"))))
 
 
@@ -120,6 +121,18 @@ def test_builds_use_int8_and_fp8_tensor_cores_without_spills(builds):
         for arch, want in expect.items():
             assert b[arch].tensor_core == want, (label, arch)
             assert b[arch].spills == 0 and b[arch].metadata["stack_bytes"] == 0, (label, arch)
+
+
+def test_fp8_pv_accumulates_in_two_levels_on_every_target(builds):
+    """SageAttention2's two levels: each block's FP8 P V dot starts from a zero accumulator and the
+    fp32 add happens outside the MMA. The folded source (acc * alpha + tl.dot(p8, v)) is the broken
+    variant: Triton folds the add into the dot on sm89 and sm120, and the checker must see it."""
+    (two, two_b), (folded, folded_b) = builds.items()
+    assert "folded" in folded and "folded" not in two
+    for arch in ("sm89", "sm90", "sm120"):
+        assert S.fp8_dot_accumulators(two_b[arch].ttgir) == [True], arch
+    for arch in ("sm89", "sm120"):
+        assert S.fp8_dot_accumulators(folded_b[arch].ttgir) == [False], arch
 
 
 def test_fp8_dot_is_refused_on_sm80():

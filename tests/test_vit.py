@@ -120,3 +120,31 @@ def test_committed_checkpoint_reproduces_its_accuracy():
     model = vit.load_pretrained()
     acc = vit.accuracy(model, "test")
     assert abs(acc - metrics["test_accuracy"]) <= 1 / 400 + 1e-9 and acc > 0.9   # one near-tie may flip on another CPU
+
+
+def test_committed_data_sweep_covers_its_grid_and_the_subsets_are_checked():
+    sweep = json.loads(vit.SWEEP_FILE.read_text())
+    assert sweep["sweep"] == vit.SWEEP
+    for key in ("vit", "logistic"):
+        assert sorted(map(int, sweep[key])) == vit.SWEEP["sizes"]
+        assert all(len(v) == len(vit.SWEEP["seeds"]) and all(0 <= a <= 1 for a in v) for v in sweep[key].values())
+    xs, ys = vit.train_subset(50, 1)
+    assert xs.shape == (50, 1, 8, 8) and not torch.equal(vit.train_subset(50, 2)[1], ys)
+    for bad in (5, 5000, 50.0):
+        with pytest.raises(ValueError, match="n must be"):
+            vit.train_subset(bad, 0)
+
+
+def test_resample_positions_keeps_the_grid_and_the_class_token():
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randn(1, 17, 8, generator=g)
+    for mode in ("bicubic", "bilinear", "nearest"):
+        assert torch.allclose(vit.resample_positions(pos, 4, 4, mode=mode), pos, atol=1e-6)
+        out = vit.resample_positions(pos, 4, 6, mode=mode)
+        assert out.shape == (1, 37, 8) and torch.equal(out[:, 0], pos[:, 0])
+    up = vit.resample_positions(pos, 4, 8, mode="nearest")[0, 1:].reshape(8, 8, 8)
+    assert torch.equal(up[::2, ::2], pos[0, 1:].reshape(4, 4, 8))      # nearest doubling repeats each position
+    with pytest.raises(ValueError, match="mode"):
+        vit.resample_positions(pos, 4, 6, mode="area")
+    with pytest.raises(ValueError, match="grid"):
+        vit.resample_positions(pos, 3, 6)

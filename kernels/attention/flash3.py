@@ -449,15 +449,22 @@ class Event:
 
 
 def schedule(kind: str, n_blocks: int, gemm0: float, softmax: float, gemm1: float, *,
-             ordered: bool = True) -> list[Event]:
+             ordered: bool = True, shared_units: bool = True) -> list[Event]:
     """Events of the K/V loop of one SM, in clocks, for three ways to run it.
 
-    * ``"serial"``: one consumer warp group, each block's GEMM0, softmax, GEMM1 in turn (FlashAttention-2).
+    * ``"serial"``: one consumer warp group, each block's GEMM0, softmax, GEMM1 in turn, nothing
+      overlapped. A lower bound, not FlashAttention-2: FA2 runs several warps per SM, and the warp
+      schedulers already interleave one warp's softmax with another's ``mma.sync``.
     * ``"intra"``: one group, GEMM0 of block j+1 issued (asynchronous wgmma) before the softmax of block j,
       so the tensor cores run it while the group computes the softmax (FA3's intra-warpgroup overlap).
     * ``"pingpong"``: two groups, each on its own query rows; the tensor cores take one group's GEMMs at a
-      time, in turn (FA3's named barriers); ``ordered=False`` drops that order (the broken variant:
-      both groups' GEMMs on the tensor cores at once, which the model lets overlap for free).
+      time, in turn (FA3's named barriers); ``ordered=False`` drops that order (a broken variant: both
+      groups' GEMMs on the tensor cores at once, which the model would let overlap for free).
+
+    ``softmax`` is priced at the whole SM's MUFU and FP32 rates (:func:`loop_costs`), so the two groups
+    share one timeline of those units: a softmax starts when its group's GEMM is done **and** the
+    previous softmax has left the units. ``shared_units=False`` drops that (the broken variant: two
+    softmaxes at once, each at the SM's full rate, a unit utilisation of 2; :func:`unit_utilisation`).
     Assumed: GEMMs of one group run back to back on the tensor cores; a softmax uses no tensor core.
     """
     if kind not in ("serial", "intra", "pingpong"):
@@ -486,6 +493,7 @@ def schedule(kind: str, n_blocks: int, gemm0: float, softmax: float, gemm1: floa
             tc = wg = start + gemm1
         return ev
     tc = 0.0                                                # ping-pong: the tensor cores' clock
+    units = 0.0                                             # the SM's MUFU + FP32 units' clock
     free = [0.0, 0.0]                                       # each group's own clock
     for j in range(n_blocks):
         for g in (0, 1):
@@ -495,8 +503,9 @@ def schedule(kind: str, n_blocks: int, gemm0: float, softmax: float, gemm1: floa
                 ev.append(Event(g, "gemm0", j, start + gemm1, start + gemm1 + gemm0))
             end = ev[-1].end
             tc = end if ordered else tc
-            ev.append(Event(g, "softmax", j, end, end + softmax))
-            free[g] = end + softmax
+            s0 = max(end, units) if shared_units else end   # S(j) ready, and the units free
+            ev.append(Event(g, "softmax", j, s0, s0 + softmax))
+            free[g] = units = s0 + softmax
     for g in (0, 1):                                        # the last GEMM1 of each group
         start = max(free[g], tc) if ordered else free[g]
         ev.append(Event(g, "gemm1", n_blocks - 1, start, start + gemm1))
@@ -519,6 +528,17 @@ def tensor_core_busy(events: list[Event]) -> float:
         else:
             cur[1] = max(cur[1], e)
     return busy + ((cur[1] - cur[0]) if cur else 0.0)
+
+
+def unit_utilisation(events: list[Event]) -> float:
+    """The peak demand on the SM's MUFU and FP32 units: the largest number of softmaxes running at once
+    (each is priced at the units' whole rate). A schedule the SM can run has at most 1."""
+    edges = sorted([(e.start, 1) for e in events if e.kind == "softmax"] + [(e.end, -1) for e in events if e.kind == "softmax"])
+    load = peak = 0
+    for _, step in edges:                                   # at equal times the end (-1) sorts first
+        load += step
+        peak = max(peak, load)
+    return float(peak)
 
 
 def overlapping_gemms(events: list[Event]) -> int:

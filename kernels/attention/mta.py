@@ -20,9 +20,20 @@ first keeps every C_ij a function of tokens <= i; masking only after the convolu
 i + p leak into row i (``broken=True`` in the kernel does exactly that, and the tests show the leak).
 
 Head mixing (``head_mix_ref``) multiplies the heads of each group of c_h heads by a learned c_h x c_h
-matrix, on the logits (pre-softmax) or on the probabilities (post-softmax). The paper also normalises
-each head's output with group normalisation and a depth-dependent scale; that acts on the attention
-output, not on the logits this module's kernel computes, and is not implemented here.
+matrix, on the logits (pre-softmax) or on the probabilities (post-softmax). The paper's 830M model
+also convolves the probabilities a second time after the softmax, then normalises each head's output
+(RMS group norm) and gates it; those act after the logits this module's kernel computes and are not
+implemented here.
+
+The pre-softmax convolution is linear in the logits and the logits are bilinear in q and k, so it is
+also one GEMM (:func:`key_query_conv_gemm`):
+
+    C_ij = sum_a q_{i-a} . Kt_{a,j} / sqrt(D),   Kt_{a,j} = sum_b theta[h, a, b] k_{j-b+p}
+         = [q_i, q_{i-1}, ..., q_{i-c_q+1}] . [Kt_{0,j}, ..., Kt_{c_q-1,j}] / sqrt(D)   (inner dim c_q D)
+
+exact wherever no tap reads a future logit. Mask_0 changes only the entries within c_q - 1 + p
+diagonals of the main one (j >= i - (c_q + p - 2)); there the taps that read S[r, c] with c > r are
+subtracted again (a band of at most c_q + p - 1 super-diagonals of S, N (c_q + p - 1) dot products).
 
 The kernel (:func:`key_query_conv`) computes C over materialised logits: one program per
 (batch x head, block of BLOCK_M query rows), looping over key blocks; for each tap (a, b) it loads the
@@ -96,6 +107,63 @@ def key_query_conv_conv2d(scores: torch.Tensor, theta: torch.Tensor, *, causal: 
     weight = theta.double().flip(1, 2)[:, None]                           # (H, 1, cq, ck)
     out = F.conv2d(F.pad(x, (ck - 1 - p, p, cq - 1, 0)), weight, groups=H)
     return out.masked_fill(~visible, float("-inf")) if causal else out
+
+
+def shifted_queries(q: torch.Tensor, c_q: int) -> torch.Tensor:
+    """(B, H, N, D) -> (B, H, N, c_q D): row i holds [q_i, q_{i-1}, ..., q_{i-c_q+1}] (zeros before 0)."""
+    N = q.shape[2]
+    qp = F.pad(q, (0, 0, c_q - 1, 0))                                      # qp[r] = q[r - (c_q - 1)]
+    return torch.cat([qp[:, :, c_q - 1 - a:c_q - 1 - a + N] for a in range(c_q)], dim=-1)
+
+
+def convolved_keys(k: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D), theta (H, c_q, c_k) -> (B, H, N, c_q D): Kt_{a,j} = sum_b theta[h, a, b] k_{j-b+p}."""
+    _, cq, ck = theta.shape
+    N = k.shape[2]
+    p = (ck - 1) // 2
+    kp = F.pad(k, (0, 0, ck - 1 - p, p))                                   # kp[c] = k[c - (ck - 1 - p)]
+    th = theta.to(k.dtype)
+    blocks = []
+    for a in range(cq):
+        kt = torch.zeros_like(k)
+        for b in range(ck):                                                # k_{j-b+p} = kp[j + ck - 1 - b]
+            kt = kt + th[:, a, b, None, None] * kp[:, :, ck - 1 - b:ck - 1 - b + N]
+        blocks.append(kt)
+    return torch.cat(blocks, dim=-1)
+
+
+def future_band(q: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, N, N) logits S[r, c] = q_r . k_c / sqrt(D) on the ``width`` diagonals above the main one
+    (0 < c - r <= width), zero elsewhere: the only future logits a causal tap can read."""
+    N, D = q.shape[2], q.shape[3]
+    band = q.new_zeros(q.shape[0], q.shape[1], N, N)
+    r = torch.arange(N, device=q.device)
+    for m in range(1, min(width, N - 1) + 1):
+        band[:, :, r[:N - m], r[:N - m] + m] = (q[:, :, :N - m] * k[:, :, m:]).sum(-1) / math.sqrt(D)
+    return band
+
+
+def key_query_conv_gemm(q: torch.Tensor, k: torch.Tensor, theta: torch.Tensor, *, causal: bool = True,
+                        return_parts: bool = False):
+    """The key-query convolution of S = Q K^T / sqrt(D) as one GEMM plus a band correction (fp64 kept,
+    else fp32). q, k (B, H, N, D), theta (H, c_q, c_k). Equals ``key_query_conv_ref(q k^T / sqrt(D), theta)``.
+
+    GEMM: C = shifted_queries(Q) convolved_keys(K)^T / sqrt(D), inner dimension c_q D. Causal: minus the
+    convolution of the future logits the taps read (``future_band``, c_q - 1 + p diagonals), then
+    Mask_-inf. ``return_parts`` also returns the GEMM and the correction."""
+    if q.shape != k.shape:
+        raise ValueError(f"key_query_conv_gemm: q and k must have one shape (self-attention), got {tuple(q.shape)}, {tuple(k.shape)}")
+    _, cq, ck = theta.shape
+    x = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, theta = q.to(x), k.to(x), theta.to(x)
+    D = q.shape[-1]
+    gemm = shifted_queries(q, cq) @ convolved_keys(k, theta).transpose(-1, -2) / math.sqrt(D)   # (B, H, N, N)
+    if not causal:
+        return (gemm, gemm, torch.zeros_like(gemm)) if return_parts else gemm
+    width = cq - 1 + (ck - 1) // 2                                         # farthest future logit a tap reads
+    fix = key_query_conv_ref(future_band(q, k, width), theta, causal=False)
+    out = (gemm - fix).masked_fill(~causal_mask(q.shape[2], q.shape[2], device=q.device), float("-inf"))
+    return (out, gemm, fix) if return_parts else out
 
 
 def head_mix_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -243,15 +311,22 @@ def key_query_conv(scores: torch.Tensor, theta: torch.Tensor, *, causal: bool = 
 # Costs
 
 
-def conv_costs(n: int, *, head_dim: int, c_q: int, c_k: int, block_m: int = 128, block_n: int = 128) -> dict:
+def conv_costs(n: int, *, head_dim: int, c_q: int, c_k: int, c_h: int = 0, block_m: int = 128,
+               block_n: int = 128) -> dict:
     """Per head and sequence of n tokens (causal, counting the n(n+1)/2 visible logits):
-    FLOPs of Q K^T and of the convolution (2 c_q c_k per logit), the bytes of materialising fp32 logits
-    and probabilities, and the halo: a fused kernel's BLOCK_M x BLOCK_N output tile needs the logits of
-    (BLOCK_M + c_q - 1) x (BLOCK_N + c_k - 1) positions."""
+    FLOPs of Q K^T, of one c_q x c_k convolution as scalar FMAs (2 c_q c_k per logit), of the same
+    convolution as the GEMM of :func:`key_query_conv_gemm` (2 c_q D per logit, on tensor cores, in place
+    of Q K^T) and the visible logits in its correction band (c_q - 1 + p diagonals), of one c_h-head mix
+    (2 c_h per logit); the bytes of materialising fp32 logits; and the halo: a fused kernel's
+    BLOCK_M x BLOCK_N output tile needs the logits of (BLOCK_M + c_q - 1) x (BLOCK_N + c_k - 1) positions."""
     logits = n * (n + 1) // 2
+    diagonals = min(n, c_q - 1 + (c_k - 1) // 2)                           # j in [i - diagonals + 1, i]
+    band = diagonals * n - diagonals * (diagonals - 1) // 2
     halo_tile = (block_m + c_q - 1) * (block_n + c_k - 1)
     return dict(logits=logits, qk_flops=2 * head_dim * logits, conv_flops=2 * c_q * c_k * logits,
-                logit_bytes_fp32=4 * n * n, halo_factor=halo_tile / (block_m * block_n))
+                gemm_flops=2 * c_q * head_dim * logits, band_diagonals=diagonals, band_logits=band,
+                head_mix_flops=2 * c_h * logits, logit_bytes_fp32=4 * n * n,
+                halo_factor=halo_tile / (block_m * block_n))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,10 +13,17 @@ INT8 Q K / FP8 P V kernels):
 
     S_ij = (Q8_i K8_j^T) sq_i sk_j sm_scale            int8 x int8 -> int32 on the tensor cores, K smoothed
     P8   = e4m3(448 exp2(S_ij - m))                    P in [0, 1] scaled by 448 (E4M3's largest value)
-    A    = alpha A + (P8 V8_j)                         every block's fp8 product accumulated afresh in the
-                                                       MMA, then added to an fp32 register buffer
-                                                       (SageAttention2's two-level accumulation)
-    O    = A * sv / (448 l)                            V quantized per channel (one fp32 scale per column)
+    A    = alpha A + (P8 V8_j) sv / 448                every block's fp8 product accumulated afresh in the
+                                                       MMA (a zero accumulator), dequantized, then added to
+                                                       an fp32 register buffer (SageAttention2's two-level
+                                                       accumulation); V quantized per channel
+    O    = A / l
+
+The dequantizing multiply sits between the MMA and the add on purpose: written as
+``acc * alpha + tl.dot(p8, v)``, Triton's dot-add combine folds the add into the dot, which then
+accumulates into the running fp32 buffer itself (seen in the sm_89 and sm_120 TTGIR), and the two
+levels are gone. :func:`fp8_dot_accumulators` reads that property from a build; ``TWO_LEVEL=False``
+is the folded form, kept as the broken variant the compile checks must catch.
 
 Q is quantized per block of BLOCK_M rows (with sm_scale * log2 e folded into its scale, as
 SageAttention's Triton quantizer does: sageattention/triton/quant_per_block.py), K per block of
@@ -195,6 +202,7 @@ def _sage_fwd_kernel(
     stride_ob, stride_oh, stride_om,
     Hq, Hkv, Nq, Nk,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_ROUND: tl.constexpr,
+    TWO_LEVEL: tl.constexpr,
 ):
     """One program per (query block, batch x query head): INT8 Q_i K_j^T, FP8 P_ij V_j."""
     start_m = tl.program_id(0)
@@ -216,6 +224,7 @@ def _sage_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)                      # the fp32 buffer
+    v_scale = tl.load(vs_ptr + kv * HEAD_DIM + d) / 448.0                # (D,) per-channel scales of V, / 448
     for start_n in range(0, Nk, BLOCK_N):
         n = start_n + offs_n
         n_ok = n < Nk
@@ -230,10 +239,15 @@ def _sage_fwd_kernel(
         if EXACT_ROUND:
             p_big = _round_e4m3(p_big)
         v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)   # e4m3
-        acc = acc * alpha[:, None] + tl.dot(p_big.to(tl.float8e4nv), v)  # block product afresh, then the fp32 add
+        if TWO_LEVEL:
+            pv = tl.dot(p_big.to(tl.float8e4nv), v)                       # level 1: this block, a zero accumulator
+            acc = acc * alpha[:, None] + pv * v_scale[None, :]            # level 2: dequantized, added in fp32
+        else:   # broken on purpose: Triton folds this add, the MMA accumulates into the running buffer
+            acc = acc * alpha[:, None] + tl.dot(p_big.to(tl.float8e4nv), v)
         m_i = m_new
-    v_scale = tl.load(vs_ptr + kv * HEAD_DIM + d)                        # (D,) per-channel scales of V
-    o = acc * (v_scale[None, :] / 448.0) / l_i[:, None]                  # O = A sv / (448 l)
+    if not TWO_LEVEL:
+        acc = acc * v_scale[None, :]                                     # the folded form dequantizes once
+    o = acc / l_i[:, None]                                               # O = A / l
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
 
@@ -287,7 +301,7 @@ def _launch_args(q8, qs, k8, ks, v8, vs, o, *, block_m: int, block_n: int, num_w
             k8.stride(2), v8.stride(0), v8.stride(1), v8.stride(2), o.stride(0), o.stride(1), o.stride(2),
             Hq, Hkv, Nq, Nk)
     kwargs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, EXACT_ROUND=runtime.runtime().interpreted,
-                  num_warps=num_warps)
+                  TWO_LEVEL=True, num_warps=num_warps)
     return (triton.cdiv(Nq, block_m), B * Hq), args, kwargs
 
 
@@ -330,9 +344,10 @@ def dequantized_inputs(q, k, v, sm_scale: float | None = None, *, block_m: int, 
 # Compile jobs
 
 
-def compile_jobs() -> dict:
+def compile_jobs(*, two_level: bool = True) -> dict:
     """Llama-3.1-8B prefill (32 query heads, 8 K/V heads, D = 128, 8192 tokens; hf2024llama31config),
-    as :func:`sage_attention` launches it on a GPU (128 x 64 blocks, 8 warps)."""
+    as :func:`sage_attention` launches it on a GPU (128 x 64 blocks, 8 warps). ``two_level=False``:
+    the broken variant whose FP8 dot Triton folds into the running accumulator."""
     from kernels import inspect as ki
 
     B, Hq, Hkv, N, D = 1, 32, 8, 8192, 128
@@ -346,5 +361,22 @@ def compile_jobs() -> dict:
     vs = torch.empty(B, Hkv, D, device="meta", dtype=torch.float32)
     grid, args, kwargs = _launch_args(q8, qs, k8, ks, v8, vs, o, block_m=bm, block_n=bn, num_warps=warps)
     kwargs["EXACT_ROUND"] = False
-    return {"Llama-3.1-8B prefill, INT8 QK / FP8 PV, 32/8 heads, D=128, S=8192": ki.launch_job(
+    kwargs["TWO_LEVEL"] = two_level
+    variant = "" if two_level else " (folded: broken variant)"
+    return {f"Llama-3.1-8B prefill, INT8 QK / FP8 PV, 32/8 heads, D=128, S=8192{variant}": ki.launch_job(
         _sage_fwd_kernel, *args, grid=grid, **kwargs)}
+
+
+def fp8_dot_accumulators(ttgir: str) -> list[bool]:
+    """For every FP8 (f8E4M3FN) dot of a TTGIR listing (``tt.dot`` or Hopper's ``ttng.warp_group_dot``),
+    whether its accumulator operand is a zero constant: True is a fresh per-block accumulation (the
+    first level of SageAttention2's two), False an MMA that accumulates into a running value."""
+    import re
+
+    zeros = set(re.findall(r"(%[\w#]+) = arith\.constant dense<0\.000000e\+00> : tensor<[^>]*xf32", ttgir))
+    out = []
+    for line in ttgir.splitlines():
+        m = re.search(r"(?:tt\.dot|ttng\.warp_group_dot) (%[\w#]+), (%[\w#]+), (%[\w#]+)", line)
+        if m and "f8E4M3FN" in line:
+            out.append(m.group(3) in zeros)
+    return out

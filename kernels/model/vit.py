@@ -251,6 +251,22 @@ class ViT(nn.Module):
         return self.head(pooled)                                          # (B, classes)
 
 
+def resample_positions(pos: torch.Tensor, grid: int, new_grid: int, *, mode: str = "bicubic",
+                       has_cls: bool = True) -> torch.Tensor:
+    """Learned positions (1, [1 +] grid^2, d) of a grid x grid patch layout -> (1, [1 +] new_grid^2, d),
+    the patch part resized as a (d, grid, grid) image by ``mode`` interpolation (the ViT paper's 2D
+    interpolation for fine-tuning at a higher resolution), the class token's position kept."""
+    if mode not in ("bicubic", "bilinear", "nearest"):
+        raise ValueError(f"resample_positions: mode must be bicubic, bilinear or nearest, got {mode!r}")
+    cls, patches = (pos[:, :1], pos[:, 1:]) if has_cls else (pos[:, :0], pos)
+    if patches.shape[1] != grid * grid:
+        raise ValueError(f"resample_positions: pos holds {patches.shape[1]} patch positions, not grid^2 = {grid * grid}")
+    img = patches.reshape(1, grid, grid, -1).permute(0, 3, 1, 2)                 # (1, d, grid, grid)
+    kw = {} if mode == "nearest" else {"align_corners": False}
+    new = F.interpolate(img, size=(new_grid, new_grid), mode=mode, **kw)          # (1, d, new, new)
+    return torch.cat([cls, new.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid, -1)], dim=1)
+
+
 # ---------------------------------------------------------------- data, training, checkpoint
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-vit"
@@ -269,14 +285,16 @@ def digits(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
     return x[idx], y[idx]
 
 
-def train(cfg: ViTConfig = ViTConfig(), *, steps: int = TRAIN["steps"], progress: bool = False):
-    """AdamW with a cosine schedule on random batches of the training split; returns (model, losses)."""
-    torch.manual_seed(TRAIN["seed"])
+def train(cfg: ViTConfig = ViTConfig(), *, steps: int = TRAIN["steps"], progress: bool = False,
+          n_train: int | None = None, seed: int = TRAIN["seed"]):
+    """AdamW with a one-cycle schedule over ``steps`` on random batches of the training split (its first
+    ``n_train`` images of a ``seed`` permutation when given, for the data-size sweep); returns (model, losses)."""
+    torch.manual_seed(seed)
     model = ViT(cfg)
-    x, y = digits("train")
+    x, y = train_subset(n_train, seed) if n_train is not None else digits("train")
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN["lr"], weight_decay=TRAIN["weight_decay"])
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=TRAIN["lr"], total_steps=TRAIN["steps"], pct_start=0.1)
-    gen = torch.Generator().manual_seed(TRAIN["seed"])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=TRAIN["lr"], total_steps=steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(seed)
     it = range(steps)
     if progress:
         from tqdm.auto import tqdm
@@ -292,6 +310,37 @@ def train(cfg: ViTConfig = ViTConfig(), *, steps: int = TRAIN["steps"], progress
         sched.step()
         losses.append(float(loss.detach()))
     return model.eval(), losses
+
+
+def train_subset(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` images of a ``seed`` permutation of the training split (the data-size sweep's sets)."""
+    x, y = digits("train")
+    if not isinstance(n, int) or not 10 <= n <= len(y):
+        raise ValueError(f"train_subset: n must be an int in [10, {len(y)}], got {n!r}")
+    idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(1000 + seed))[:n]
+    return x[idx], y[idx]
+
+
+SWEEP = dict(sizes=[50, 100, 200, 400, 1397], seeds=[0, 1, 2], steps=300)
+SWEEP_FILE = MODEL_DIR / "data_sweep.json"
+
+
+def data_sweep() -> dict:
+    """Test accuracy of the tiny ViT and of multinomial logistic regression on the pixels, trained on the
+    same subsets (``SWEEP`` sizes x seeds, the ViT for ``SWEEP['steps']`` steps at every size)."""
+    from sklearn.linear_model import LogisticRegression
+    x_test, y_test = digits("test")
+    flat = lambda images: images.reshape(len(images), -1).double().numpy()
+    out = {"vit": {}, "logistic": {}}
+    for n in SWEEP["sizes"]:
+        for seed in SWEEP["seeds"]:
+            model, _ = train(ViTConfig(), steps=SWEEP["steps"], n_train=n, seed=seed)
+            with torch.no_grad():
+                out["vit"].setdefault(str(n), []).append(float((model(x_test).argmax(-1) == y_test).float().mean()))
+            xs, ys = train_subset(n, seed)
+            lin = LogisticRegression(C=1.0, tol=1e-10, max_iter=10_000).fit(flat(xs), ys.numpy())
+            out["logistic"].setdefault(str(n), []).append(float((lin.predict(flat(x_test)) == y_test.numpy()).mean()))
+    return out
 
 
 @torch.no_grad()
@@ -330,5 +379,19 @@ def main() -> int:
     return 0
 
 
+def sweep_main() -> int:
+    """python -m kernels.model.vit sweep: the data-size sweep, written to models/tiny-vit/data_sweep.json."""
+    import time
+    torch.set_num_threads(1)
+    start = time.time()
+    result = data_sweep()
+    result.update(sweep=SWEEP, seconds=round(time.time() - start, 1), threads=1, torch=torch.__version__,
+                  command="python -m kernels.model.vit sweep")
+    SWEEP_FILE.write_text(json.dumps(result, indent=2) + "\n")
+    print(result)
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+    raise SystemExit(sweep_main() if sys.argv[1:] == ["sweep"] else main())
