@@ -6,7 +6,7 @@ logical page i to a physical page:
 
     position p of sequence b  ->  k_pages[block_table[b, p // P], :, p % P, :]        P = page_size
 
-and decode attention is the KV-cache chapter's, with one more indirection per page:
+and decode attention is the usual one, each key and value found through the table:
 
     o[b, h] = sum_{lo_b <= j < L_b} softmax_j(q[b, h] . k_b[g(h), j] / sqrt(D)) v_b[g(h), j]
 
@@ -20,8 +20,11 @@ Shapes:
     seqlens      (B,) int32/int64         L_b, 0 <= L_b <= max_pages * P
     output       (B, Hq, D)               zeros where L_b = 0
 
-One program per (sequence, K/V head), as the contiguous kernel (kernels.attention.decode), walking the
-sequence in tiles of BLOCK_S positions (BLOCK_S divides P, so a tile never straddles two pages):
+One program per (sequence, K/V head) packs the query heads of a GQA group and reduces on CUDA cores
+(tl.sum of elementwise products; the contiguous kernels.attention.decode uses tensor cores over
+64/128-position tiles), walking the sequence in tiles of BLOCK_S positions (BLOCK_S divides P, so a
+tile never straddles two pages: a choice of this kernel, FlashAttention 3 gathers rows of several pages
+into one tile):
 the tile's address is its physical page's, read from the table, plus its offset in the page, and
 the positions inside it are contiguous. With a window, tiles wholly before lo_b are never visited:
 the loop starts at tile lo_b // BLOCK_S. The design is vLLM's paged attention
@@ -181,7 +184,7 @@ def check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window, name="
 
 def default_block_s(group: int, head_dim: int, page_size: int) -> int:
     """Positions per sub-tile: the whole page under the interpreter (fewer loop iterations); on a GPU
-    the contiguous kernel's tile (decode.gpu_block_s: a group x positions x head-dim product of at most
+    this CUDA-core kernel's tile (decode.gpu_block_s: a group x positions x head-dim product of at most
     8192 fp32 values, no spills), capped by the page."""
     if runtime.runtime().interpreted:
         return page_size
