@@ -191,6 +191,27 @@ def test_committed_drafts_and_training_script(tmp_path, model):
     assert G.load_draft("draft_ttt", tmp_path).fc.weight.shape == (128, 256)
 
 
+def test_feature_only_ablation_ignores_the_token_and_its_runs_are_the_committed_ones(model):
+    """FeatureOnlyDraft's input does not depend on the token (the full draft's does), it starts from the
+    full draft's seeded initialisation, and a committed ablation draft reproduces its stored counts."""
+    from kernels.speculative import eagle_ablation as A
+
+    torch.manual_seed(3)
+    full = G.EagleDraft(model.config)
+    torch.manual_seed(3)
+    ablated = A.FeatureOnlyDraft(model.config)
+    assert all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), ablated.state_dict().values()))
+    f, e1, e2 = torch.randn(3, 2, 5, model.config.d_model).unbind(0)
+    assert torch.equal(ablated.fuse(f, e1), ablated.fuse(f, e2))
+    assert not torch.allclose(full.fuse(f, e1), full.fuse(f, e2))
+    stored = json.loads((A.OUT_DIR / "feature_only-seed2.json").read_text())
+    x = G.eval_windows()
+    hits, totals = G.chain_accuracy(A.load("feature_only", 2), G.target_features(model, x), x, model.wte.weight.detach())
+    assert [hits, totals] == [stored["chain_hits"], stored["chain_totals"]]
+    with pytest.raises(ValueError, match="arm"):
+        A.main(["wrong:0"])
+
+
 # ---------------------------------------------------------------- ahead of time, at a real vocabulary
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,27 @@ def test_architectures_shapes_and_causality():
         assert torch.equal(out[0], model(x))              # depth 0 is the plain GPT
 
 
+def test_detached_module_sends_no_gradient_into_the_shared_table():
+    """The ablation arm's forward equals the plain sequential arm's; its depth-1 loss reaches the trunk
+    (and through the trunk the input rows of the tokens it read) but not the table as the module's
+    input or output head, whose gradient touches every row in the plain arm (so the check can fail)."""
+    cfg = M.GPTConfig(n_layer=2, d_model=32, n_head=2, n_kv_head=1, d_ff=64, block_size=16)
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for kind in ("sequential", "sequential_detached"):
+        torch.manual_seed(0)
+        model, extra = M.build_arm(kind, 1, cfg)
+        out = M.arm_logits(model, extra, x)
+        out[1].square().mean().backward()                                  # a depth-1 loss only
+        grads[kind] = (out, model.wte.weight.grad, model.blocks[0].attn.wq.weight.grad)
+    (a, ga, ta), (b, gb, tb) = grads["sequential"], grads["sequential_detached"]
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    unread = torch.ones(256, dtype=torch.bool)
+    unread[x.unique()] = False                                             # rows the trunk never reads
+    assert ga[unread].abs().sum() > 0 and gb[unread].abs().sum() == 0
+    assert gb[~unread].abs().sum() > 0 and ta.abs().sum() > 0 and tb.abs().sum() > 0
+
+
 @pytest.fixture(scope="module")
 def run():
     return M.load_run()

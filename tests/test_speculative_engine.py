@@ -1,7 +1,12 @@
 """The serving engine with speculative decoding (EngineConfig.speculative, kernels.speculative.serving):
 greedy answers equal plain decoding token for token, under batching, budgets that cut drafts and
-stop tokens; a broken verification is caught; sampled answers keep the target's distribution of the
-first three tokens (chi-square against the exact joint), and two wrong variants fail it; the KV
+stop tokens; a broken verification is caught; the engine's verification (Drafter.verify: processed p,
+the drafter's q, the acceptance test, the residual draw) enumerated exactly on toy tables emits the
+target's joint to float32 precision, and every wrong rule and broken step misses it by percents; the
+speculative keys never coincide across streams, steps and the plain sampler's keys; sampled answers
+keep the target's distribution of the first three tokens (chi-square against the exact joint: a
+low-power check, 80 % power only at chi-square distance 0.07-0.10, see the speculative-sampling
+chapter), and two wrong variants fail it; the KV
 cache after rollback equals a fresh prefill of the kept tokens; pages all come back; bad options
 are refused by name."""
 import kernels  # noqa: F401
@@ -11,10 +16,11 @@ import torch
 
 from kernels.model.data import encode
 from kernels.model.gpt import load_pretrained
-from kernels.serving.engine import Engine, EngineConfig, reference_generate
-from kernels.serving.sampling import SamplingParams, chi_square, processed_probs_ref
+from kernels.serving.engine import ACCEPT, DRAFT, RESIDUAL, Engine, EngineConfig, reference_generate, spec_key
+from kernels.serving.sampling import SamplingParams, chi_square, processed_probs_ref, row_key
 from kernels.speculative.drafts import truncated_copy
-from kernels.speculative.serving import DraftModel, Drafter, PromptLookup
+from kernels.speculative.sampling import output_distribution, target_distribution
+from kernels.speculative.serving import DraftModel, Drafter, PromptLookup, engine_step_distribution, toy_table
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING LEAR:\nBlow, winds, and crack your cheeks!",
            "First Citizen:\nSpeak.\n\nSecond Citizen:\nSpeak.\n\nFirst Citizen:\n"]
@@ -131,6 +137,44 @@ def test_kv_after_rollback_equals_a_fresh_prefill(model, draft):
     _pages_back(eng)
 
 
+# ---------------------------------------------------------------- sampled requests: exactly
+
+TOY_P, TOY_Q = toy_table(0, total=4), toy_table(1, total=4)      # vocabulary 3, prefix-dependent, zeros
+TOY_PARAMS = SamplingParams(temperature=0.7)                     # logits T log p: processing must undo T
+
+
+def _engine_vs_target(drafter, gamma, length):
+    """Largest |P_engine(s) - p(s)| over sequences s of ``length`` tokens, P_engine through drafter.verify."""
+    step = lambda p_fn, q_fn, prefix, g, rule: engine_step_distribution(drafter, p_fn, q_fn, prefix, g,  # noqa: E731
+                                                                        TOY_PARAMS)
+    got = output_distribution(TOY_P, TOY_Q, (), gamma, length, step=step)
+    want = target_distribution(TOY_P, (), 3, length)
+    assert abs(sum(got.values()) - 1) < 1e-9
+    return max(abs(got.get(s, 0.0) - float(want[s])) for s in want.keys() | got.keys())
+
+
+def test_engine_verification_is_exact_by_enumeration():
+    """Every sequence of 3 tokens that repeated gamma-2 steps emit, probability against the target's
+    joint: equal to float32 precision (the probabilities are processed in float32)."""
+    assert _engine_vs_target(Drafter(), 2, 3) < 1e-7
+
+
+@pytest.mark.parametrize("wrong", [dict(rule="biased"), dict(rule="resample_p"), dict(broken="raw_p"),
+                                   dict(broken="keep_rejected")],
+                         ids=["accept iff p >= q", "resample from p", "p without temperature", "keep the rejected draft"])
+def test_wrong_engine_verification_misses_the_target_exactly(wrong):
+    assert _engine_vs_target(Drafter(**wrong), 2, 2) > 1e-2
+
+
+def test_speculative_keys_never_coincide():
+    """The three streams of spec_key and the plain sampler's row_key give distinct keys over seeds,
+    choices and token indices: no two draws share their uniforms."""
+    keys = [spec_key(seed, c, t, s) for seed in range(8) for c in range(2) for t in range(64)
+            for s in (DRAFT, ACCEPT, RESIDUAL)] + [row_key(seed, c, t) for seed in range(8) for c in range(2)
+                                                   for t in range(64)]
+    assert len(set(keys)) == len(keys) == 4 * 8 * 2 * 64
+
+
 # ---------------------------------------------------------------- sampled requests
 
 PROMPT = "ROMEO:\nWhat is the"
@@ -220,6 +264,12 @@ def test_bad_options_are_refused_by_name(model, draft):
         DraftModel(draft, broken="sometimes")
     with pytest.raises(TypeError, match="DraftModel: model"):
         DraftModel("gpt")
+    logits, drafts, u = torch.zeros(1, 2, 5), torch.zeros(1, 1, dtype=torch.int64), torch.full((1, 1), 0.5)
+    args = (logits, [SamplingParams(temperature=1.0)], drafts, [None], u, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="residual_u is for the reference"):
+        Drafter().verify(*args, use_kernels=True, residual_u=torch.full((1, 5), 0.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="residual_u must be a"):
+        Drafter().verify(*args, residual_u=torch.full((1, 4), 0.5, dtype=torch.float64))
 
     class TooLong(Drafter):
         def propose(self, tokens, num_draft, params, keys):

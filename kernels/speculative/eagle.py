@@ -191,9 +191,11 @@ def target_features(model: GPT, x: torch.Tensor, chunk: int = 16) -> torch.Tenso
 
 
 def train_draft(model: GPT, steps: int, *, ttt_steps: int = 1, n_windows: int = 512, batch: int = 16,
-                lr: float = 3e-3, seed: int = 0, progress: bool = True):
+                lr: float = 3e-3, seed: int = 0, progress: bool = True, draft_cls: type = EagleDraft):
     """AdamW on the draft only; the target's features are computed once for ``n_windows`` random
-    windows of the training text. Returns (draft, per-step [L_reg, L_cls] of step 0)."""
+    windows of the training text. ``draft_cls`` (an EagleDraft subclass, built where EagleDraft would
+    be, so from the same seeded initialisation) is for ablations. Returns (draft, per-step
+    [L_reg, L_cls] of step 0)."""
     from tqdm import tqdm
 
     from kernels.model.data import encode, get_batch, load_text, train_val_split
@@ -204,7 +206,7 @@ def train_draft(model: GPT, steps: int, *, ttt_steps: int = 1, n_windows: int = 
     x_all, _ = get_batch(train, n_windows, model.config.block_size, generator=g)   # (N, T)
     f_all = target_features(model, x_all)                                          # (N, T, C)
     E = model.wte.weight.detach()
-    draft = EagleDraft(model.config)
+    draft = draft_cls(model.config)
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     log = []

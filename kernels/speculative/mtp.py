@@ -121,11 +121,12 @@ class MTPModule(nn.Module):
 class SequentialMTP(nn.Module):
     """DeepSeek-V3's D sequential modules; the main model's embedding and output head are shared."""
 
-    def __init__(self, config: GPTConfig, depth: int = 1):
+    def __init__(self, config: GPTConfig, depth: int = 1, *, detach_shared: bool = False):
         super().__init__()
         if depth < 1:
             raise ValueError(f"SequentialMTP: depth must be >= 1, got {depth}")
         self.modules_ = nn.ModuleList(MTPModule(config) for _ in range(depth))
+        self.detach_shared = detach_shared        # an ablation: no MTP gradient into the shared embedding/head
 
     @property
     def depth(self) -> int:
@@ -140,10 +141,11 @@ class SequentialMTP(nn.Module):
         h = model(idx, return_hidden=True)                                # (B, T, C) main state (normed)
         E = model.wte.weight
         out = [h @ E.T]
-        emb = model.wte(idx)                                              # (B, T, C) shared embedding
+        E_mtp = E.detach() if self.detach_shared else E                  # the table as the modules see it
+        emb = F.embedding(idx, E_mtp)                                     # (B, T, C) shared embedding
         for k, mod in enumerate(self.modules_, start=1):
             h = mod(h[:, : T - k], emb[:, k:])                            # (B, T - k, C)
-            out.append(mod.norm_out(h) @ E.T)                             # shared output head
+            out.append(mod.norm_out(h) @ E_mtp.T)                         # shared output head
         return out
 
 
@@ -444,6 +446,8 @@ def build_arm(kind: str, extra: int, config: GPTConfig) -> tuple[GPT, nn.Module 
         return model, ParallelHeads(config, extra + 1)
     if kind == "sequential":
         return model, SequentialMTP(config, extra)
+    if kind == "sequential_detached":
+        return model, SequentialMTP(config, extra, detach_shared=True)
     raise ValueError(f"build_arm: unknown kind {kind!r}")
 
 
@@ -481,15 +485,17 @@ def validation_windows(config: GPTConfig, n: int) -> torch.Tensor:
 
 def train_arm(name: str, *, steps: int, batch: int, config: GPTConfig = RUN_CONFIG, max_lr: float = 3e-3,
               min_lr: float = 3e-4, warmup: int = 30, weight_decay: float = 0.1, eval_every: int = 100,
-              val_windows: int = 128, progress: bool = True) -> tuple[GPT, nn.Module | None, dict]:
-    """Train one arm from scratch: same seed, same batches, same schedule in every arm."""
+              val_windows: int = 128, progress: bool = True, seed: int = SEED,
+              arms: dict | None = None) -> tuple[GPT, nn.Module | None, dict]:
+    """Train one arm (``name`` in ``arms``, ARMS by default) from scratch: same seed, same batches, same
+    schedule in every arm."""
     from tqdm import tqdm
 
     from kernels.model import data
     from kernels.model.train import lr_at
 
-    kind, extra, weights = ARMS[name]
-    torch.manual_seed(SEED)
+    kind, extra, weights = (arms or ARMS)[name]
+    torch.manual_seed(seed)
     model, extra_mod = build_arm(kind, extra, config)
     params = list(model.parameters()) + (list(extra_mod.parameters()) if extra_mod is not None else [])
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -497,7 +503,7 @@ def train_arm(name: str, *, steps: int, batch: int, config: GPTConfig = RUN_CONF
     opt = torch.optim.AdamW(groups, lr=max_lr, betas=(0.9, 0.95), eps=1e-8)
     train_tokens, _ = data.train_val_split(data.encode(data.load_text()))
     val = validation_windows(config, val_windows)
-    gen = torch.Generator().manual_seed(SEED)                 # the same batches in every arm
+    gen = torch.Generator().manual_seed(seed)                 # the same batches in every arm
     log = []
     start = time.perf_counter()
     bar = tqdm(range(1, steps + 1), desc=f"training {name}", unit="step", disable=not progress)

@@ -102,16 +102,20 @@ def step_distribution(p_fn, q_fn, prefix: tuple, gamma: int, rule: str = "exact"
     return out
 
 
-def output_distribution(p_fn, q_fn, prefix: tuple, gamma: int, length: int, rule: str = "exact") -> dict:
-    """Exact distribution of the first ``length`` tokens that repeated speculative steps emit."""
+def output_distribution(p_fn, q_fn, prefix: tuple, gamma: int, length: int, rule: str = "exact", *,
+                        step=step_distribution) -> dict:
+    """Exact distribution of the first ``length`` tokens that repeated speculative steps emit. ``step``
+    computes one step's distribution with :func:`step_distribution`'s arguments (another one:
+    ``kernels.speculative.serving.engine_step_distribution``, the engine's verification enumerated)."""
     if length <= 0:
         return {(): Fraction(1)}
     out: dict = {}
-    for seq, w in step_distribution(p_fn, q_fn, prefix, gamma, rule).items():
+    for seq, w in step(p_fn, q_fn, prefix, gamma, rule).items():
         if len(seq) >= length:
             out[seq[:length]] = out.get(seq[:length], 0) + w
         else:
-            for rest, w2 in output_distribution(p_fn, q_fn, prefix + seq, gamma, length - len(seq), rule).items():
+            for rest, w2 in output_distribution(p_fn, q_fn, prefix + seq, gamma, length - len(seq), rule,
+                                                step=step).items():
                 out[seq + rest] = out.get(seq + rest, 0) + w * w2
     return out
 
@@ -210,12 +214,19 @@ def check_verify_inputs(p, q, draft, u, keys, name: str = "verify") -> None:
         raise ValueError(f"{name}: p and q must be contiguous along V")
 
 
-def verify_ref(p, q, draft, u, keys, *, rule: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept, find the first rejection, draw the residual (or bonus) token: (n_accepted, tokens)."""
+def verify_ref(p, q, draft, u, keys, *, rule: str = "exact",
+               residual_u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept, find the first rejection, draw the residual (or bonus) token: (n_accepted, tokens).
+    ``residual_u`` (B, V) float64 uniforms replace the Philox uniforms of ``keys`` in the Gumbel-max
+    draw (the exact enumeration chooses them: kernels.speculative.serving.engine_step_distribution)."""
     check_verify_inputs(p, q, draft, u, keys, "verify_ref")
+    B, G1, V = p.shape
+    if residual_u is not None and (not isinstance(residual_u, torch.Tensor) or residual_u.shape != (B, V)
+                                   or residual_u.dtype != torch.float64):
+        raise ValueError(f"verify_ref: residual_u must be a ({B}, {V}) float64 tensor, got "
+                         f"{getattr(residual_u, 'shape', type(residual_u))} {getattr(residual_u, 'dtype', '')}")
     if rule not in RULES:
         raise ValueError(f"verify_ref: rule must be one of {RULES}, got {rule!r}")
-    B, G1, V = p.shape
     G = G1 - 1
     pd = p[:, :G].gather(2, draft[:, :, None])[:, :, 0]                     # (B, G) p_j(d_j)
     qd = q.gather(2, draft[:, :, None])[:, :, 0]                            # (B, G) q_j(d_j)
@@ -226,7 +237,8 @@ def verify_ref(p, q, draft, u, keys, *, rule: str = "exact") -> tuple[torch.Tens
     q_n = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[b, n]               # (B, V); zeros at the bonus row
     r = (p_n - q_n).clamp_min(0) if rule == "exact" else p_n
     r = torch.where((r > 0).any(1, keepdim=True), r, p_n)                   # empty residual (p <= q everywhere): p
-    g = -torch.log(-torch.log(uniform_ref(keys, V).to(p.device)))           # (B, V) Gumbel(0, 1)
+    uu = uniform_ref(keys, V).to(p.device) if residual_u is None else residual_u
+    g = -torch.log(-torch.log(uu))                                          # (B, V) Gumbel(0, 1)
     last = torch.where(r > 0, torch.log(r) + g, torch.full_like(r, float("-inf"))).argmax(1)
     j = torch.arange(G1, device=p.device)[None, :]
     d_pad = torch.cat([draft, draft[:, :1]], 1)

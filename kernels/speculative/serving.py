@@ -33,6 +33,11 @@ package cycles). The engine takes the drafter as an object, as it takes its KV c
 """
 from __future__ import annotations
 
+import math
+import random
+from fractions import Fraction
+from itertools import product
+
 import torch
 
 from kernels.model.gpt import GPT, KVCache
@@ -64,11 +69,15 @@ class Drafter:
 
     def verify(self, logits: torch.Tensor, params: list[SamplingParams], drafts: torch.Tensor,
                q: list[torch.Tensor | None], u: torch.Tensor, keys: torch.Tensor, *,
-               use_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               use_kernels: bool = False, residual_u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits (B, k+1, V) of the target at the last token and the k drafts, drafts (B, k) int64,
         q per sequence (k, V) or None (one-hot at its drafts), u (B, k), keys (B,) ->
-        (n (B,) int32 accepted, tokens (B, k+1): the n drafts, the next token, then -1)."""
+        (n (B,) int32 accepted, tokens (B, k+1): the n drafts, the next token, then -1).
+        ``residual_u`` (B, V) float64 replaces the keys' uniforms of the last draw (reference only:
+        :func:`engine_step_distribution` chooses them)."""
         B, G1, V = logits.shape
+        if use_kernels and residual_u is not None:
+            raise ValueError(f"{type(self).__name__}.verify: residual_u is for the reference (use_kernels=False)")
         rows = [p for p in params for _ in range(G1)]
         if self.broken == "raw_p":
             p = torch.softmax(logits.float(), -1)                                        # broken: unprocessed
@@ -76,8 +85,11 @@ class Drafter:
             p = processed_probs_ref(logits.reshape(B * G1, V), rows).view(B, G1, V)     # (B, k+1, V)
         one_hot = torch.nn.functional.one_hot(drafts, V).float()                         # (B, k, V)
         qq = torch.stack([one_hot[b] if qb is None else qb.float() for b, qb in enumerate(q)])
-        check = verify if use_kernels else verify_ref
-        n, tokens = check(p.contiguous(), qq.contiguous(), drafts, u, keys, rule=self.rule)
+        if use_kernels:
+            n, tokens = verify(p.contiguous(), qq.contiguous(), drafts, u, keys, rule=self.rule)
+        else:
+            n, tokens = verify_ref(p.contiguous(), qq.contiguous(), drafts, u, keys, rule=self.rule,
+                                   residual_u=residual_u)
         if self.broken == "keep_rejected":
             rejected = n < drafts.shape[1]
             at = torch.arange(B)[rejected]
@@ -125,3 +137,119 @@ class DraftModel(Drafter):
             draft.append(d)
             x = torch.tensor([[d]])
         return draft, (torch.stack(qs) if qs else None)
+
+
+# ---------------------------------------------------------------- the engine's verification, enumerated exactly
+
+def toy_table(seed: int, vocab: int = 3, total: int = 6):
+    """prefix (tuple) -> a distribution over ``vocab`` tokens with weights in multiples of 1/``total``
+    (some exactly zero), as Fractions: every ratio p(x)/q(x) of two such tables has a denominator
+    dividing lcm(1..total), so a grid of that many acceptance uniforms integrates the rule exactly."""
+    r, cache = random.Random(seed), {}
+
+    def fn(prefix):
+        if prefix not in cache:
+            cuts = sorted(r.randint(0, total) for _ in range(vocab - 1))
+            w = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+            cache[prefix] = [Fraction(x, total) for x in w]
+        return cache[prefix]
+    return fn
+
+
+def _drafts(q_fn, prefix: tuple, gamma: int, vocab: int) -> list[tuple[tuple, Fraction]]:
+    """Every draft d_1..d_gamma the drafter can draw, with its probability prod_j q_j(d_j)."""
+    out = []
+    for d in product(range(vocab), repeat=gamma):
+        w = math.prod(q_fn(prefix + d[:j])[d[j]] for j in range(gamma))
+        if w:
+            out.append((d, w))
+    return out
+
+
+def _grid_size(p_fn, q_fn, prefix: tuple, drafts: list) -> int:
+    """N such that every acceptance threshold p_j(d_j)/q_j(d_j) < 1 is a multiple of 1/N: then the N
+    midpoint uniforms (i + 1/2)/N of each position accept in exactly the fraction min(1, p/q)."""
+    n = 1
+    for d, _ in drafts:
+        for j in range(len(d)):
+            a = p_fn(prefix + d[:j])[d[j]] / q_fn(prefix + d[:j])[d[j]]
+            if a < 1:
+                n = math.lcm(n, a.denominator)
+    return n
+
+
+def _last_token_distribution(call, rows: torch.Tensor, at: torch.Tensor, vocab: int, *,
+                             iters: int = 40, floor: float = 1e-9) -> torch.Tensor:
+    """The distribution the verification ``call`` draws the token at position ``at`` (R,) from, for
+    its rows (R,), read off the Gumbel-max draw itself: with uniforms u_i = exp(-E_i) the draw is
+    argmin_i E_i / r_i (the exponential race), so E = 1 everywhere finds the largest r_a, and
+    E_a = 1, E_k = rho, E_other = inf (u = 0) picks k iff rho < r_k / r_a: a bisection in log rho
+    (all k at once) down to ``floor``, below which a ratio counts as 0. (R, V) float64."""
+    R = rows.numel()
+    ones = torch.ones(R, vocab, dtype=torch.float64)
+    a = call(rows, torch.exp(-ones))[1][torch.arange(R), at]             # (R,) argmax_i r_i
+    rr, aa, kk = rows.repeat_interleave(vocab), a.repeat_interleave(vocab), torch.arange(vocab).repeat(R)
+    at_rk, ar = at.repeat_interleave(vocab), torch.arange(R * vocab)
+
+    def wins(log_rho):                                                   # (R*V,) does k beat a at rho?
+        E = torch.full((R * vocab, vocab), float("inf"), dtype=torch.float64)
+        E[ar, aa] = 1.0
+        E[ar, kk] = torch.where(aa == kk, 1.0, torch.exp(log_rho))
+        return call(rr, torch.exp(-E))[1][ar, at_rk] == kk
+
+    lo = torch.full((R * vocab,), math.log(floor), dtype=torch.float64)
+    hi = torch.zeros(R * vocab, dtype=torch.float64)
+    alive = wins(lo) | (aa == kk)                                        # r_k / r_a >= floor
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        w = wins(mid)
+        lo, hi = torch.where(w, mid, lo), torch.where(w, hi, mid)
+    ratio = torch.where(aa == kk, 1.0, torch.where(alive, torch.exp(lo), 0.0)).view(R, vocab)
+    return ratio / ratio.sum(1, keepdim=True)
+
+
+def engine_step_distribution(drafter: Drafter, p_fn, q_fn, prefix: tuple, gamma: int,
+                             params: SamplingParams) -> dict:
+    """The distribution (float64) of what one speculative step emits, computed *through*
+    ``drafter.verify`` (the engine's verification: processed p, the drafter's q, the acceptance test,
+    the residual draw): the drafts are enumerated with their probabilities under q_fn, the acceptance
+    uniforms on a grid that integrates the rule exactly (:func:`_grid_size`), and the last token's
+    distribution is read off the draw (:func:`_last_token_distribution`). The target's logits are
+    T log p_fn, so that p processed at ``params``' temperature T is p_fn again (float32)."""
+    vocab = len(p_fn(prefix))
+    drafts = _drafts(q_fn, prefix, gamma, vocab)
+    N = _grid_size(p_fn, q_fn, prefix, drafts)
+    cells = list(product(range(N), repeat=gamma))
+    T = params.temperature
+
+    def table(fn, d, j):                                            # (V,) float64 of fn after prefix + d_<j
+        return torch.tensor([float(x) for x in fn(prefix + d[:j])], dtype=torch.float64)
+    logits = torch.stack([torch.stack([T * table(p_fn, d, j).log() for j in range(gamma + 1)]) for d, _ in drafts])
+    qs = torch.stack([torch.stack([table(q_fn, d, j) for j in range(gamma)]) for d, _ in drafts])
+    u = (torch.tensor(cells, dtype=torch.float64) + 0.5) / N                        # (C, gamma) midpoints
+    D, C = len(drafts), len(cells)
+    draft_of = torch.arange(D).repeat_interleave(C)                                 # rows: draft-major
+
+    def call(rows, residual_u):                                     # verify rows (R,) -> (n (R,), tokens (R, k+1))
+        di, ci = draft_of[rows], rows % C
+        dr = torch.tensor([drafts[i][0] for i in di.tolist()], dtype=torch.int64).view(-1, gamma)
+        n, tokens = drafter.verify(logits[di].float(), [params] * rows.numel(), dr,
+                                   [qs[i].float() for i in di.tolist()], u[ci].float(),
+                                   torch.zeros(rows.numel(), dtype=torch.int64), residual_u=residual_u)
+        return n, tokens
+
+    n, tokens = call(torch.arange(D * C), torch.full((D * C, vocab), math.exp(-1), dtype=torch.float64))
+    groups: dict = {}                                               # (draft, n) -> rows
+    for row, (di, nb) in enumerate(zip(draft_of.tolist(), n.tolist())):
+        groups.setdefault((di, nb), []).append(row)
+    reps = torch.tensor([rows[0] for rows in groups.values()])
+    at = torch.tensor([nb for _, nb in groups])
+    last = _last_token_distribution(call, reps, at, vocab)                # (groups, V)
+    out: dict = {}
+    for g, ((di, nb), rows) in enumerate(groups.items()):
+        head = tuple(tokens[rows[0], :nb].tolist())
+        w = float(drafts[di][1]) * len(rows) / C
+        for x in range(vocab):
+            if last[g, x] > 0:
+                out[head + (x,)] = out.get(head + (x,), 0.0) + w * float(last[g, x])
+    return out
