@@ -1,6 +1,6 @@
 """kernels/ptx/tcgen05.py and kernels/cuda/tcgen05.cu: the instruction and shared-memory descriptors
-against CuTe's bit-field unions, the TMEM allocator and address rules, the emulated MMA and
-tcgen05.ld layout, the CTA pair, the SASS (UTCHMMA, LDTM on sm100), and on a GPU the kernel."""
+against CuTe's bit-field unions, the TMEM allocator and address rules, the emulated MMA (unswizzled and
+with the 128B/64B/32B swizzles) and tcgen05.ld layout, the CTA pair, the SASS (UTCHMMA, LDTM on sm100), and on a GPU the kernel."""
 import random
 
 import pytest
@@ -153,9 +153,9 @@ def sm100():
 
 
 def test_tcgen05_sass_sm100(sm100):
-    ptx = ki.families(sm100.ptx, "ptx")
-    assert ptx["tcgen05.alloc"] == 1 and ptx["tcgen05.dealloc"] == 1 and ptx["tcgen05.commit"] == 1
-    assert ptx["tcgen05.mma"] >= 1 and ptx["tcgen05.ld"] == 4
+    ptx = ki.families(sm100.ptx, "ptx")          # four kernels: tcgen05_gemm and tcgen05_gemm_sw{128,64,32}
+    assert ptx["tcgen05.alloc"] == 4 and ptx["tcgen05.dealloc"] == 4 and ptx["tcgen05.commit"] == 4
+    assert ptx["tcgen05.mma"] >= 4 and ptx["tcgen05.ld"] == 16
     ops = S.opcodes(sm100.sass, "tcgen05_gemm")
     assert ops["UTCHMMA"] >= 1 and ops["LDTM"] == 4 and ops["UTCBAR"] == 1
     assert ops["UTCATOMSWS.FIND_AND_SET.ALIGN"] >= 1               # the allocation
@@ -268,3 +268,55 @@ def test_gpu_tcgen05_st_ld_round_trip():
     out = torch.zeros(128, 4, dtype=torch.int32, device="cuda")
     mod.launch("tcgen05_st_ld", 1, 128, x.cuda(), out)
     assert torch.equal(out.cpu(), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Swizzled operands
+
+
+@pytest.mark.parametrize("mode", ["128B", "64B", "32B"])
+def test_swizzled_operands_through_the_emulation(mode):
+    K = W.SWIZZLE_WIDTH[mode] // 2                    # one swizzle atom per 8 rows: K = W / 2
+    A, Bt = ints((128, K), 11), ints((64, K), 12)
+    assert torch.equal(C.tcgen05_gemm(A, Bt, swizzle=mode), C.tcgen05_ref(A, Bt))
+    for wrong in sorted({"none", "32B", "64B", "128B"} - {mode}):     # descriptors naming another layout: caught
+        assert not torch.equal(C.tcgen05_gemm(A, Bt, swizzle=mode, desc_swizzle=wrong), C.tcgen05_ref(A, Bt))
+    with pytest.raises(ValueError, match=f"K must be {K}"):
+        C.tcgen05_gemm(ints((128, 2 * K), 0), ints((64, 2 * K), 0), swizzle=mode)
+
+
+def test_swizzled_kernels_sass_carry_the_emulations_descriptors(sm100):
+    for mode in ("128B", "64B", "32B"):
+        w = W.SWIZZLE_WIDTH[mode]
+        name = f"tcgen05_gemm_sw{w}"
+        hi = C.encode_smem_desc(W.Descriptor(0, 16, 8 * w, mode)) >> 32   # SBO, version 1, layout code
+        words = C.sass_descriptor_high_words(S.listing(sm100.sass, name))
+        assert len(words) == w // 32 and set(words) == {(hi, hi)}         # one UTCHMMA per k16 step
+        assert C.decode_smem_desc(hi << 32) == W.Descriptor(0, 0, 8 * w, mode)
+        assert sm100.metadata["resources"][name]["LOCAL"] == 0
+    plain = C.sass_descriptor_high_words(S.listing(sm100.sass, "tcgen05_gemm"))
+    assert set(plain) == {(0x4008, 0x4008)}                               # the comparison: SBO 128, layout 0
+    assert C.decode_smem_desc(0x4008 << 32).swizzle == "none"
+
+
+@GPU
+@pytest.mark.parametrize("mode", ["128B", "64B", "32B"])
+def test_gpu_tcgen05_gemm_swizzled(mode):
+    from kernels import cuda_launch
+    import ctypes
+
+    if cuda_launch.device_arch() != "sm100":
+        pytest.skip("tcgen05 needs sm100")
+    mod = cuda_launch.load("tcgen05")
+    w = W.SWIZZLE_WIDTH[mode]
+    A, Bt = ints((128, w // 2), 13), ints((64, w // 2), 14)
+    image, _ = C.swizzled_image(A, Bt, mode)
+    idesc = ctypes.c_uint32(C.encode_idesc(C.InstrDesc(128, 64)))
+    D = torch.empty(128, 64, device="cuda")
+    mod.launch(f"tcgen05_gemm_sw{w}", 1, 128, image.cuda(), D, idesc)
+    assert torch.equal(D.cpu(), C.tcgen05_gemm(A, Bt, swizzle=mode))
+    flat = torch.zeros_like(image)                                        # the broken variant: not swizzled
+    W.write_kmajor(flat, 0, A, "none")
+    W.write_kmajor(flat, C.B_OFFSET, Bt, "none")
+    mod.launch(f"tcgen05_gemm_sw{w}", 1, 128, flat.cuda(), D, idesc)
+    assert not torch.equal(D.cpu(), C.tcgen05_ref(A, Bt))

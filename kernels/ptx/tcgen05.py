@@ -1,6 +1,6 @@
 """tcgen05 and tensor memory (TMEM), emulated: the instruction descriptor, the sm100 shared-memory
 descriptor, the TMEM allocator and address space, ``tcgen05.mma`` into TMEM, ``tcgen05.ld``'s
-32x32b access pattern, and the CTA pair (``cta_group::2``).
+32x32b access pattern, swizzled K-major operands, and the CTA pair (``cta_group::2``).
 
 Sources: the PTX ISA (``nvidia2025ptx``), "TensorCore 5th Generation Family Instructions"
 (Tensor Memory, its allocation and addressing, the instruction descriptor, the shared-memory
@@ -23,6 +23,7 @@ descriptor, data-path layouts, ``tcgen05.ld`` shapes); CuTe's ``UMMA::InstrDescr
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +122,28 @@ def cute_smem_bits(d: wgmma.Descriptor) -> int:
     return int.from_bytes(bytes(u), "little")
 
 
+_GDESC = re.compile(r"^UTCHMMA gdesc\[UR(\d+)\], gdesc\[UR(\d+)\]")
+_UMOV = re.compile(r"^UMOV UR(\d+), (0x[0-9a-f]+)$")
+_WRITES_UR = re.compile(r"^(?:@!?U?P\w+ )?\S+ UR(\d+),")      # destination first: ULOP3, UIADD3, R2UR, ...
+
+
+def sass_descriptor_high_words(lines: list[str]) -> list[tuple[int | None, int | None]]:
+    """For each ``UTCHMMA gdesc[URa], gdesc[URb], ...`` of a SASS listing (:func:`kernels.ptx.sass.listing`),
+    the constants last moved into URa+1 and URb+1 before it: the upper 32 bits of A's and B's shared-memory
+    descriptors (a 64-bit operand is the pair URn:URn+1), or None where that register was not set from an
+    immediate. Those bits hold SBO, the version and the layout code; the start address is in the lower half."""
+    last: dict[int, int] = {}
+    out = []
+    for line in lines:
+        if m := _UMOV.match(line):
+            last[int(m.group(1))] = int(m.group(2), 16)
+        elif m := _GDESC.match(line):
+            out.append(tuple(last.get(int(r) + 1) for r in m.groups()))
+        elif w := _WRITES_UR.match(line):   # any other write to a uniform register forgets its constant
+            last.pop(int(w.group(1)), None)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor memory
 
@@ -206,23 +229,52 @@ class TensorMemory:
 # The kernel's computation, and the CTA pair
 
 
-def tcgen05_gemm(A: torch.Tensor, Bt: torch.Tensor, idesc: int | None = None) -> torch.Tensor:
-    """The loop of ``tcgen05_gemm`` in kernels/cuda/tcgen05.cu on the emulated TMEM: A (128 x K) and
-    B^T (64 x K) stored K-major without swizzle, K / 16 MMAs into 64 allocated columns, then four
-    warps read the accumulator with ``tcgen05.ld 32x32b``. ``idesc`` overrides the instruction
-    descriptor (to show a wrong one is caught)."""
-    if A.shape[0] != 128 or Bt.shape[0] != 64 or A.shape[1] != Bt.shape[1] or A.shape[1] % 16 or A.shape[1] > 64:
-        raise ValueError(f"A must be 128 x K and Bt 64 x K with K a multiple of 16 up to 64, got {tuple(A.shape)}, {tuple(Bt.shape)}")
+B_OFFSET = 16384                 # byte offset of B^T in the shared memory of every tcgen05_gemm* kernel
+SW_SMEM_BYTES = B_OFFSET + 64 * 128   # tcgen05_gemm_sw<W>'s shared buffer: room for the 128-byte case
+
+
+def swizzled_image(A: torch.Tensor, Bt: torch.Tensor, mode: str) -> tuple[torch.Tensor, dict[str, int]]:
+    """The shared-memory image of ``tcgen05_gemm_sw<W>`` in kernels/cuda/tcgen05.cu: A (128 x K) at byte 0 and
+    B^T (64 x K) at :data:`B_OFFSET`, both K-major in ``mode``'s canonical swizzled layout (CuTe's
+    ``Layout_K_SW<W>_Atom``, written by :func:`wgmma.write_kmajor`), so K = W / 2. Returns the uint8 image
+    (the kernel's whole shared buffer, zero past the operands)
+    and the LBO / SBO a descriptor needs (the same for A and B^T)."""
+    if mode not in ("32B", "64B", "128B") or A.shape[0] != 128 or Bt.shape[0] != 64:
+        raise ValueError(f"mode must be 32B, 64B or 128B, A 128 x K and Bt 64 x K, got {mode!r}, "
+                         f"{tuple(A.shape)}, {tuple(Bt.shape)}")
+    smem = torch.zeros(SW_SMEM_BYTES, dtype=torch.uint8)
+    lay = wgmma.write_kmajor(smem, 0, A, mode)
+    wgmma.write_kmajor(smem, B_OFFSET, Bt, mode)
+    return smem, lay
+
+
+def tcgen05_gemm(A: torch.Tensor, Bt: torch.Tensor, idesc: int | None = None, *, swizzle: str = "none",
+                 desc_swizzle: str | None = None) -> torch.Tensor:
+    """The loop of the kernels in kernels/cuda/tcgen05.cu on the emulated TMEM: A (128 x K) and B^T (64 x K)
+    stored K-major, K / 16 MMAs into 64 allocated columns, then four warps read the accumulator with
+    ``tcgen05.ld 32x32b``. ``swizzle="none"`` is ``tcgen05_gemm`` (8x8 core matrices, K a multiple of 16 up
+    to 64; the next k16 step is two K-blocks on); "128B", "64B" or "32B" is ``tcgen05_gemm_sw<W>`` (one
+    swizzle atom per 8 rows, K = W / 2; the next k16 step starts 32 bytes further inside the swizzled row).
+    ``idesc`` overrides the instruction descriptor and ``desc_swizzle`` the layout named in the shared-memory
+    descriptors (to show that a wrong one is caught)."""
     K = A.shape[1]
-    smem = torch.zeros(128 * 64 * 2 + 64 * 64 * 2, dtype=torch.uint8)
-    la = wgmma.write_kmajor(smem, 0, A, "none")
-    lb = wgmma.write_kmajor(smem, 16384, Bt, "none")
+    if swizzle == "none":
+        if A.shape[0] != 128 or Bt.shape[0] != 64 or Bt.shape[1] != K or K % 16 or K > 64:
+            raise ValueError(f"A must be 128 x K and Bt 64 x K with K a multiple of 16 up to 64, got {tuple(A.shape)}, {tuple(Bt.shape)}")
+        smem = torch.zeros(128 * 64 * 2 + 64 * 64 * 2, dtype=torch.uint8)
+        la = wgmma.write_kmajor(smem, 0, A, "none")                   # (lbo, sbo) = (128 rows x 16 B, 128)
+        lb = wgmma.write_kmajor(smem, B_OFFSET, Bt, "none")           # (64 x 16, 128)
+        step_a, step_b = 2 * la["lbo"], 2 * lb["lbo"]
+    else:
+        smem, la = swizzled_image(A, Bt, swizzle)                     # (lbo, sbo) = (16, 8 x W)
+        lb, step_a, step_b = la, 32, 32
+    mode = swizzle if desc_swizzle is None else desc_swizzle
     idesc = encode_idesc(InstrDesc(128, 64)) if idesc is None else idesc
     tmem = TensorMemory()
     base = tmem.alloc(64)
     for k in range(K // 16):
-        adesc = encode_smem_desc(wgmma.Descriptor(k * 2 * la["lbo"], la["lbo"], la["sbo"]))
-        bdesc = encode_smem_desc(wgmma.Descriptor(16384 + k * 2 * lb["lbo"], lb["lbo"], lb["sbo"]))
+        adesc = encode_smem_desc(wgmma.Descriptor(k * step_a, la["lbo"], la["sbo"], mode))
+        bdesc = encode_smem_desc(wgmma.Descriptor(B_OFFSET + k * step_b, lb["lbo"], lb["sbo"], mode))
         tmem.mma(base, smem, adesc, bdesc, idesc, accumulate=k > 0)
     rows = [tmem.ld_32x32b(base + taddr(32 * w, 0), w, 64) for w in range(4)]
     tmem.dealloc(base, 64)
