@@ -225,7 +225,7 @@ def test_sm90_builds_at_real_size_do_not_spill():
 
 
 def test_committed_runs_reproduce_their_first_step():
-    for arm in ("grpo", "dapo"):                        # the committed arms: token ratios, with and without DAPO's switches
+    for arm in ("gspo", "aspo", "dapo"):                # the sequence-ratio and ASPO kernels, and DAPO's switches, in a real step
         run = dapo.OUT_DIR / arm / "seed0"
         meta = json.loads((run / "metrics.json").read_text())
         want = sft.read_log(run / "log.csv")[1]                                # row 0 is the step-0 evaluation
