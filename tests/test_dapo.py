@@ -227,13 +227,15 @@ def test_sm90_builds_at_real_size_do_not_spill():
 
 
 def test_committed_runs_reproduce_their_first_step():
-    for arm in ("gspo", "aspo"):                        # the sequence-ratio and ASPO kernels in a real step
-        meta = json.loads((dapo.OUT_DIR / arm / "metrics.json").read_text())
-        want = sft.read_log(dapo.OUT_DIR / arm / "log.csv")[0]
+    for arm in ("gspo", "aspo", "dapo"):                # the sequence-ratio and ASPO kernels, and DAPO's switches, in a real step
+        run = dapo.OUT_DIR / arm / "seed0"
+        meta = json.loads((run / "metrics.json").read_text())
+        want = sft.read_log(run / "log.csv")[1]                                # row 0 is the step-0 evaluation
         threads = torch.get_num_threads()
         try:
             got = dapo.train_arm(arm, None, steps=meta["steps"], prompts_per_step=meta["prompts_per_step"],
-                                 progress=False, stop_after=1)["log"][0]
+                                 lr=meta["lr"], warmup=meta["warmup"], seed=meta["seed"], progress=False,
+                                 stop_after=1)["log"][1]
         finally:
             torch.set_num_threads(threads)
         assert got["reward"] == want["reward"], arm

@@ -51,8 +51,10 @@ the lower clip bound with eps_high (clip-higher applied to negative advantages),
 negative-advantage tokens too, 4 drops ASPO's stop-gradient (the flipped ratio's own derivative, +A/r, then
 pushes a positive token down).
 
-``python -m kernels.rl.dapo`` trains the SFT checkpoint once per arm (GRPO baseline, each DAPO change
-alone, GSPO, GPG, ASPO) and writes models/rl/dapo/<arm>/{log.csv, metrics.json}.
+``python -m kernels.rl.dapo --arms A .. --seeds S ..`` trains the SFT checkpoint once per arm and seed (GRPO
+baseline, each DAPO change alone, the full DAPO recipe, GSPO, GPG, ASPO) and writes
+models/rl/dapo/<arm>/seed<S>/{log.csv, metrics.json}; ``--sweep`` runs the baseline's step-size check instead
+(models/rl/dapo/lr_sweep/seed<S>.json).
 """
 from __future__ import annotations
 
@@ -367,20 +369,28 @@ def policy_loss(logp, old_logp, advantages, weights, mask, *, ratio="token", eps
 # ---------------------------------------------------------------- the runs
 
 ARMS = {
-    # name: (what changes against the GRPO baseline)
+    # name: (what changes against the GRPO baseline); every arm runs the same seeds, prompts and budget
     "grpo": {},
+    "no_kl": {"beta": 0.0},
     "clip_higher": {"eps_high": 0.28},
     "token_loss": {"aggregation": "token"},
     "dynamic_sampling": {"dynamic": True},
+    "overlong_filter": {"overlong_filter": True},
     "overlong_shaping": {"overlong": True},
+    # DAPO as the paper trains it: all four changes at once and no KL term (DAPO section 2.3)
+    "dapo": {"eps_high": 0.28, "aggregation": "token", "dynamic": True, "overlong": True, "beta": 0.0},
     "gspo": {"ratio": "sequence", "eps_low": 3e-4, "eps_high": 4e-4},
     "aspo": {"ratio": "aspo"},
     "gpg": {"ratio": "none", "aggregation": "token", "beta": 0.0, "advantage": "gpg"},
-    # a diagnostic, not a DAPO change: GPG with one update per batch (strictly on-policy, pi = pi_old)
-    "gpg_one_update": {"ratio": "none", "aggregation": "token", "beta": 0.0, "advantage": "gpg", "inner_steps": 1},
 }
 BASE = {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "sequence", "beta": 0.04, "ratio": "token",
-        "dynamic": False, "overlong": False, "advantage": "grpo"}
+        "dynamic": False, "overlong": False, "overlong_filter": False, "advantage": "grpo"}
+LR = 2e-5                  # the baseline's step-size check (the chapter): 1e-4, with or without warm-up, lowers the score
+WARMUP = 5                 # linear warm-up steps
+SEEDS = (0, 1, 2)
+STEPS = 30
+PROMPTS = 16
+EVAL_EVERY = 10
 
 
 def sample(policy, pairs: torch.Tensor, group_size: int, gen: torch.Generator, l_max: int = L_MAX) -> dict:
@@ -395,6 +405,29 @@ def sample(policy, pairs: torch.Tensor, group_size: int, gen: torch.Generator, l
             "rewards": task.rewards(comp, rep), "lengths": completion_lengths(comp)}
 
 
+HELD_OUT_SAMPLES = 4       # sampled answers per held-out prompt for the sampled score (2000 answers)
+
+
+def held_out_scores(policy, held_out: torch.Tensor) -> dict:
+    """Greedy accuracy on the 500 held-out prompts, and the mean reward of HELD_OUT_SAMPLES answers per prompt
+    sampled at temperature 1 from a fixed generator (the same random stream at every evaluation)."""
+    gen = torch.Generator().manual_seed(1234)
+    rep = held_out.repeat_interleave(HELD_OUT_SAMPLES, 0)
+    sampled = task.rewards(task.sample(policy, rep, temperature=1.0, generator=gen), rep).mean()
+    return {"held_out_accuracy": task.accuracy(policy, held_out), "held_out_sampled": round(float(sampled), 5)}
+
+
+@torch.no_grad()
+def token_entropy(policy, completions: torch.Tensor, pairs: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over real completion tokens of H_t = -sum_v pi(v | prefix) log pi(v | prefix), the whole
+    next-byte distribution (not the sampled token's -log pi): what clip-higher and ASPO exist to protect."""
+    seqs = torch.cat([task.prompts(pairs), completions], dim=1)               # (B, P + L)
+    hidden = policy(seqs[:, :-1], return_hidden=True)[:, task.PROMPT_LEN - 1:]  # (B, L, C)
+    logp = torch.log_softmax(hidden @ policy.wte.weight.T, -1)                # (B, L, V)
+    h = -(logp.exp() * logp).sum(-1)                                          # (B, L)
+    return float((h * mask).sum() / mask.sum().clamp_min(1))
+
+
 def _cat(batches: list[dict]) -> dict:
     return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
 
@@ -405,94 +438,140 @@ def _take_groups(ro: dict, keep: torch.Tensor, group_size: int) -> dict:
     return {k: v[rows] for k, v in ro.items()}
 
 
-def train_arm(arm: str, out_dir: Path | None, *, steps: int = 30, prompts_per_step: int = 32, group_size: int = 8,
-              inner_steps: int = 2, lr: float = 1e-4, max_rounds: int = 6, seed: int = 0, threads: int = 1,
+def _rollouts(policy, train_pairs, cfg: dict, prompts_per_step: int, group_size: int, max_rounds: int,
+              gen: torch.Generator) -> tuple[dict, int, int]:
+    """One step's rollouts: (rollouts, groups kept, prompts drawn). With dynamic sampling, groups whose rewards
+    are all equal are dropped and more prompts drawn, at most ``max_rounds`` times, until the batch is full."""
+    batches, kept, drawn, rounds = [], 0, 0, 0
+    while True:
+        pick = train_pairs[torch.randint(0, len(train_pairs), (prompts_per_step,), generator=gen)]
+        ro = sample(policy, pick, group_size, gen)
+        rounds += 1
+        drawn += prompts_per_step
+        if not cfg["dynamic"]:
+            return ro, prompts_per_step, drawn
+        good = informative_groups(ro["rewards"], group_size)
+        batches.append(_take_groups(ro, good, group_size))
+        kept += int(good.sum())
+        if kept >= prompts_per_step or rounds >= max_rounds:
+            break
+    ro = _cat(batches)
+    if kept > prompts_per_step:                                               # refill to exactly the batch size
+        ro = {k: v[: prompts_per_step * group_size] for k, v in ro.items()}
+        kept = prompts_per_step
+    return ro, kept, drawn
+
+
+def train_arm(arm: str, out_dir: Path | None, *, steps: int = STEPS, prompts_per_step: int = PROMPTS,
+              group_size: int = 8, inner_steps: int = 2, lr: float = LR, warmup: int = WARMUP,
+              eval_every: int = EVAL_EVERY, max_rounds: int = 6, seed: int = 0, threads: int = 1,
               progress: bool = True, stop_after: int | None = None) -> dict:
-    """One arm from the SFT checkpoint; same seed, prompts and budget as every other arm. Returns {"log", "model"}."""
+    """One arm from the SFT checkpoint; same seed, prompts and budget as every other arm. Returns {"log", "model"}.
+
+    The learning rate rises linearly over ``warmup`` steps to ``lr`` and stays there; the held-out score
+    (greedy, 500 prompts) is logged before the first step (step 0) and every ``eval_every`` steps, except in a
+    partial run (``stop_after``, the tests' and the chapter's re-run of a first step), which evaluates nothing."""
     cfg = dict(BASE, **ARMS[arm])
-    inner_steps = cfg.pop("inner_steps", inner_steps)
     policy, reference = sft.policy_and_reference(seed, threads)
     train_pairs, held_out = task.split_pairs()
     gen = torch.Generator().manual_seed(seed)
     opt = sft.adamw(policy.parameters(), lr)
-    log = []
+    evaluate = stop_after is None                                             # a partial run (tests) skips them
+    log = [{"step": 0, "reward": "", "entropy": "", "kl": "", "clip_fraction": "", "prompts_drawn": 0,
+            "groups_used": 0, "rollouts_wasted": 0, "overlong_fraction": "",
+            **(held_out_scores(policy, held_out) if evaluate else {"held_out_accuracy": "", "held_out_sampled": ""})}]
     start = time.perf_counter()
     bar = tqdm(range(1, (stop_after or steps) + 1), desc=arm, disable=not progress)
     for step in bar:
-        batches, kept, drawn, rounds = [], 0, 0, 0
-        while True:
-            pick = train_pairs[torch.randint(0, len(train_pairs), (prompts_per_step,), generator=gen)]
-            ro = sample(policy, pick, group_size, gen)
-            rounds += 1
-            drawn += prompts_per_step
-            if not cfg["dynamic"]:
-                batches.append(ro)
-                kept = prompts_per_step
-                break
-            good = informative_groups(ro["rewards"], group_size)
-            batches.append(_take_groups(ro, good, group_size))
-            kept += int(good.sum())
-            if kept >= prompts_per_step or rounds >= max_rounds:
-                break
-        ro = _cat(batches)
-        if cfg["dynamic"] and kept > prompts_per_step:                        # refill to exactly the batch size
-            ro = {k: v[: prompts_per_step * group_size] for k, v in ro.items()}
-            kept = prompts_per_step
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, step / max(warmup, 1))                # linear warm-up, then constant
+        ro, kept, drawn = _rollouts(policy, train_pairs, cfg, prompts_per_step, group_size, max_rounds, gen)
         task_reward = ro["rewards"]
         shaped = task_reward + (overlong_penalty_ref(ro["lengths"], L_MAX, L_CACHE) if cfg["overlong"] else 0.0)
         if cfg["advantage"] == "gpg":
             adv = gpg_advantages_ref(shaped, group_size)
         else:
             adv = group_advantages(shaped, group_size) if len(shaped) else shaped
-        w = aggregation_weights(ro["mask"], cfg["aggregation"])
+        mask = ro["mask"]
+        if cfg["overlong_filter"]:                                            # truncated answers leave the loss
+            mask = mask * (ro["lengths"] <= L_MAX).float()[:, None]
+        w = aggregation_weights(mask, cfg["aggregation"])
         with torch.no_grad():
             old = task.completion_logprobs(policy, ro["completions"], ro["pairs"])
             ref = task.completion_logprobs(reference, ro["completions"], ro["pairs"]) if cfg["beta"] else None
         stats = {"clip_fraction": 0.0}
         kl = 0.0
+        entropy = token_entropy(policy, ro["completions"], ro["pairs"], ro["mask"]) if len(shaped) else float("nan")
         if len(shaped):
             for _ in range(inner_steps):
                 logp = task.completion_logprobs(policy, ro["completions"], ro["pairs"])
-                loss, stats = policy_loss(logp, old, adv, w, ro["mask"], ratio=cfg["ratio"], eps_low=cfg["eps_low"],
+                loss, stats = policy_loss(logp, old, adv, w, mask, ratio=cfg["ratio"], eps_low=cfg["eps_low"],
                                           eps_high=cfg["eps_high"], return_stats=True)
                 if cfg["beta"]:
-                    k3 = torch.where(ro["mask"] > 0, kl_estimate_ref(logp, ref, "k3"), torch.zeros_like(logp))
+                    k3 = torch.where(mask > 0, kl_estimate_ref(logp, ref, "k3"), torch.zeros_like(logp))
                     loss = loss + cfg["beta"] * (w * k3).sum()
-                    kl = float((ro["mask"] * k3.detach()).sum() / ro["mask"].sum())
+                    kl = float((mask * k3.detach()).sum() / mask.sum().clamp_min(1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 opt.step()
         row = {"step": step, "reward": round(float(task_reward.mean()), 5) if len(task_reward) else "",
+               "entropy": round(entropy, 5) if len(shaped) else "",
                "kl": round(kl, 6), "clip_fraction": round(stats["clip_fraction"], 5),
                "prompts_drawn": drawn, "groups_used": kept, "rollouts_wasted": (drawn - kept) * group_size,
                "overlong_fraction": round(float((ro["lengths"] > task.MAX_ANSWER).float().mean()), 5) if len(shaped) else "",
-               "held_out_accuracy": ""}
-        if step == steps:
-            row["held_out_accuracy"] = task.accuracy(policy, held_out)
+               "held_out_accuracy": "", "held_out_sampled": ""}
+        if evaluate and (step % eval_every == 0 or step == steps):
+            row.update(held_out_scores(policy, held_out))
         log.append(row)
-        bar.set_postfix(reward=row["reward"], wasted=row["rollouts_wasted"])
+        bar.set_postfix(reward=row["reward"], held_out=row["held_out_accuracy"])
     policy.eval()
     seconds = round(time.perf_counter() - start, 1)
     if out_dir is not None:
         sft.save_run(out_dir, policy, log, dict(cfg, arm=arm, steps=steps, prompts_per_step=prompts_per_step,
-                                                group_size=group_size, inner_steps=inner_steps, lr=lr,
+                                                group_size=group_size, inner_steps=inner_steps, lr=lr, warmup=warmup,
                                                 max_rounds=max_rounds, l_max=L_MAX, l_cache=L_CACHE, seed=seed,
                                                 threads=threads, train_seconds=seconds, torch=torch.__version__,
-                                                command=f"python -m kernels.rl.dapo --arms {arm}"), checkpoint=False)
+                                                command=f"python -m kernels.rl.dapo --arms {arm} --seeds {seed}"),
+                     checkpoint=False)
     return {"log": log, "model": policy, "seconds": seconds}
+
+
+SWEEP = ((1e-4, 1), (1e-4, WARMUP))   # (lr, warm-up steps) beside the chosen LR: the old setting, then with warm-up
+
+
+def sweep_lr(out: Path, seed: int, settings=SWEEP) -> None:
+    """The baseline's step-size check: the GRPO arm at each (lr, warm-up) of ``settings`` (the chosen LR is the
+    ``grpo`` arm itself), held-out score every EVAL_EVERY steps; writes <out>/lr_sweep/seed<seed>.json."""
+    rows = []
+    for lr, wu in settings:
+        run = train_arm("grpo", None, lr=lr, warmup=wu, seed=seed, progress=False)
+        rows.append({"lr": lr, "warmup": wu, "seed": seed, "seconds": run["seconds"],
+                     "curve": [(r["step"], r["held_out_accuracy"]) for r in run["log"] if r["held_out_accuracy"] != ""],
+                     "reward": [r["reward"] for r in run["log"][1:]]})
+        print(lr, wu, seed, rows[-1]["curve"], flush=True)
+    (out / "lr_sweep").mkdir(parents=True, exist_ok=True)
+    (out / "lr_sweep" / f"seed{seed}.json").write_text(json.dumps(
+        {"steps": STEPS, "prompts_per_step": PROMPTS, "runs": rows,
+         "command": f"python -m kernels.rl.dapo --sweep --seeds {seed}"}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.rl.dapo", description=__doc__.splitlines()[0])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    p.add_argument("--sweep", action="store_true", help="the baseline's learning-rate sweep instead of the arms")
     p.add_argument("--out", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
+    if args.sweep:
+        for seed in args.seeds:
+            sweep_lr(args.out, seed)
+        return 0
     for arm in args.arms:
-        train_arm(arm, args.out / arm, steps=args.steps, prompts_per_step=args.prompts)
-        print(arm, json.loads((args.out / arm / "metrics.json").read_text())["held_out_accuracy"], flush=True)
+        for seed in args.seeds:
+            train_arm(arm, args.out / arm / f"seed{seed}", seed=seed, progress=False)
+            print(arm, seed, json.loads((args.out / arm / f"seed{seed}" / "metrics.json").read_text())["held_out_accuracy"],
+                  flush=True)
     return 0
 
 
