@@ -10,6 +10,7 @@ from kernels import runtime
 from kernels.ptx import cp_async as ca
 from kernels.ptx import fragments as F
 from kernels.ptx import sass as S
+from kernels.ptx.mbarrier import Deadlock, MBarrier, MBarrierError
 from kernels.testing import MismatchError, assert_close
 
 ARCHS = ("sm80", "sm90", "sm100", "sm120")
@@ -263,16 +264,16 @@ def test_mbarrier_arrive_tracks_every_earlier_copy_committed_or_not():
     unit.cp_async(dst[0], src[0])
     unit.commit_group()
     unit.cp_async(dst[1], src[1])                          # not committed: tracked all the same
-    bar = ca.Mbarrier(1)
+    bar = MBarrier(1)
     unit.mbarrier_arrive_noinc(bar)
     unit.cp_async(dst[2], src[2])                          # issued after the arrive: not tracked
-    assert not bar.done(0) and dst.abs().sum() == 0       # lazy: nothing has landed, no arrival yet
-    bar.wait(0)
-    assert torch.equal(dst[:2], src[:2]) and dst[2].abs().sum() == 0 and bar.done(0)
-    with pytest.raises(RuntimeError, match="would never return"):
-        bar.wait(1)                                        # the next phase has no arrival coming
-    with pytest.raises(ValueError, match="count >= 1"):
-        ca.Mbarrier(0)
+    assert not bar.try_wait_parity(0) and dst.abs().sum() == 0   # lazy: nothing has landed, no arrival yet
+    unit.wait_mbarrier(bar, 0)
+    assert torch.equal(dst[:2], src[:2]) and dst[2].abs().sum() == 0 and bar.try_wait_parity(0)
+    with pytest.raises(Deadlock, match="would never return"):
+        unit.wait_mbarrier(bar, 1)                         # the next phase has no arrival coming
+    with pytest.raises(MBarrierError, match="count must be"):
+        MBarrier(0)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.ptx.mbarrier import Deadlock, MBarrier
+
 
 class _Copy:
     """One issued cp.async: its destination and the bytes it will write; lands at most once."""
@@ -42,38 +44,6 @@ class _Copy:
             self.landed = True
 
 
-class Mbarrier:
-    """An mbarrier as one thread sees it: ``count`` arrivals complete a phase; ``phases`` counts
-    the completed ones. ``wait(parity)`` is mbarrier.test_wait.parity in a loop: it returns once
-    the phase with that parity has completed (the current phase's parity differs from it)."""
-
-    def __init__(self, count: int):
-        if count < 1:
-            raise ValueError(f"an mbarrier needs count >= 1, got {count}")
-        self.count, self.pending, self.phases = count, count, 0
-        self.tracked: list[tuple[list, AsyncCopyUnit]] = []   # arrivals waiting for their copies
-
-    def arrive(self) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            self.phases, self.pending = self.phases + 1, self.count
-
-    def done(self, parity: int) -> bool:
-        return self.phases % 2 != parity
-
-    def wait(self, parity: int) -> None:
-        """Land the copies the barrier's pending arrivals track (lazily, as late as the ISA allows),
-        make those arrivals, then require the phase: one thread cannot be woken by anyone else."""
-        while not self.done(parity) and self.tracked:
-            copies, _ = self.tracked.pop(0)
-            for c in copies:
-                c.land()
-            self.arrive()
-        if not self.done(parity):
-            raise RuntimeError(f"mbarrier wait on parity {parity} would never return: "
-                               f"{self.pending} of {self.count} arrivals missing")
-
-
 class AsyncCopyUnit:
     """One thread's cp.async state: uncommitted copies and the queue of committed groups."""
 
@@ -81,6 +51,7 @@ class AsyncCopyUnit:
         self.eager = eager
         self.uncommitted: list[_Copy] = []
         self.groups: deque[list[_Copy]] = deque()
+        self.trackers: list[tuple[list[_Copy], MBarrier]] = []   # arrivals waiting for their copies
         self.log: list[str] = []
 
     def cp_async(self, dst: torch.Tensor, src: torch.Tensor, src_bytes: int | None = None) -> None:
@@ -125,15 +96,30 @@ class AsyncCopyUnit:
         self.commit_group()
         self.wait_group(0)
 
-    def mbarrier_arrive_noinc(self, bar: Mbarrier) -> None:
-        """cp.async.mbarrier.arrive.noinc: one arrival on ``bar``, made once every cp.async this
-        thread issued before it (committed or not) has landed; it counts against ``bar``'s count."""
+    def mbarrier_arrive_noinc(self, bar: MBarrier) -> None:
+        """cp.async.mbarrier.arrive.noinc: one arrival on ``bar`` (the mbarrier chapter's
+        :class:`~kernels.ptx.mbarrier.MBarrier`), made once every cp.async this thread issued before it
+        (committed or not) has landed; it counts against ``bar``'s count."""
         copies = [c for g in self.groups for c in g if not c.landed] + [c for c in self.uncommitted if not c.landed]
         if copies:
-            bar.tracked.append((copies, self))
+            self.trackers.append((copies, bar))
         else:
             bar.arrive()
         self.log.append(f"cp.async.mbarrier.arrive.noinc -> tracks {len(copies)} copies")
+
+    def wait_mbarrier(self, bar: MBarrier, parity: int) -> None:
+        """``mbarrier.try_wait.parity`` in a loop, for this one thread: land the copies its pending
+        arrivals on ``bar`` track (lazily, as late as the ISA allows), make those arrivals, then require
+        the phase; no other thread can complete it here, so a missing arrival is a :class:`Deadlock`."""
+        while not bar.try_wait_parity(parity):
+            mine = next((t for t in self.trackers if t[1] is bar), None)
+            if mine is None:
+                raise Deadlock(f"mbarrier wait on parity {parity} would never return: "
+                               f"{bar.pending} of {bar.expected} arrivals missing")
+            self.trackers.remove(mine)
+            for c in mine[0]:
+                c.land()
+            bar.arrive()
 
     @property
     def pending(self) -> int:
@@ -203,7 +189,7 @@ def mbarrier_tile_sums(x: torch.Tensor, stages: int = 3, *, arrive_first: bool =
         raise ValueError(f"x must be (n_tiles, tile), got shape {tuple(x.shape)}")
     n_tiles, tile = x.shape
     smem = torch.full((stages, tile), float("nan"), dtype=x.dtype)
-    full = [Mbarrier(1) for _ in range(stages)]
+    full = [MBarrier(1) for _ in range(stages)]
     unit = AsyncCopyUnit(eager=eager)
     out = torch.empty(n_tiles, dtype=torch.float32)
 
@@ -217,7 +203,7 @@ def mbarrier_tile_sums(x: torch.Tensor, stages: int = 3, *, arrive_first: bool =
     for j in range(min(stages - 1, n_tiles)):        # prologue: no commit groups
         issue(j)
     for i in range(n_tiles):
-        full[i % stages].wait((i // stages) & 1)     # tile i has landed in smem[i % stages]
+        unit.wait_mbarrier(full[i % stages], (i // stages) & 1)   # tile i has landed in smem[i % stages]
         out[i] = smem[i % stages].float().sum()
         if i + stages - 1 < n_tiles:
             issue(i + stages - 1)                    # refill the slot tile i-1 used
