@@ -9,7 +9,7 @@ import pytest
 from kernels.serving.allocator import BlockAllocator
 from kernels.serving.radix_cache import RadixCache
 from kernels.serving.scheduler import Scheduler, Sequence
-from kernels.serving.simulate import CostModel, Request, percentile, simulate
+from kernels.serving.simulate import CostModel, Request, first_token_times, percentile, simulate
 
 
 def _drive(sched, steps=1000):
@@ -150,6 +150,14 @@ def test_a_failed_admission_does_not_count_as_a_cache_hit():
     s.add(Sequence(0, [1, 2, 3, 4, 5, 6], 2))
     assert [w.seq.id for w in s.schedule()] == [9]
     assert cache.hit_tokens == 0 and cache.queried_tokens == 0 and alloc.refcount[cache.match([1, 2, 3, 4])[0]] == 1
+
+
+def test_first_token_times_price_each_step_once():
+    cost = CostModel()
+    history = [[(0, 0, 5, True), (1, 0, 3, False)], [(0, 5, 1, False), (1, 3, 2, True)]]
+    first = first_token_times(history, cost)
+    t1 = cost.step_time(8, 8)
+    assert first == {0: t1, 1: t1 + cost.step_time(3, 11)}       # sequence 1 samples only in step 2
 
 
 def test_lpm_admits_the_longest_cached_prefix_first():

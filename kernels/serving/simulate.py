@@ -111,6 +111,21 @@ def simulate(requests: list[Request], *, policy: str = "continuous", max_tokens:
                   tokens_out=sum(r.output_len for r in requests), steps=steps, preemptions=sched.preemptions)
 
 
+def first_token_times(history: list, cost: CostModel) -> dict[int, float]:
+    """Time to first token of every sequence in an engine's recorded ``history`` (one list per step of
+    (seq id, start, tokens, sampled)), each step priced by ``cost``: the modelled TTFT of the schedule
+    the real engine ran, not of this module's simulation."""
+    clock, first = 0.0, {}
+    for step in history:
+        tokens = sum(n for _, _, n, _ in step)
+        kv_read = sum(start + n for _, start, n, _ in step)          # positions each run's attention reads
+        clock += cost.step_time(tokens, kv_read)
+        for sid, _, _, sampled in step:
+            if sampled:
+                first.setdefault(sid, clock)
+    return first
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank: a value of the list, no interpolation."""
     s = sorted(values)
