@@ -10,6 +10,7 @@ import torch
 import kernels  # noqa: F401
 from kernels import inspect as ki
 from kernels import runtime
+from kernels.ptx import cp_async as ca
 from kernels.ptx import mbarrier as M
 from kernels.ptx import sass as S
 from kernels.testing import assert_close
@@ -156,10 +157,10 @@ def test_ring_bad_inputs():
 
 
 def test_cp_async_arrive_noinc_is_the_threads_arrival():
-    bar, th = M.MBarrier(1), M.CpAsyncThread()
+    bar, th = M.MBarrier(1), ca.AsyncCopyUnit()
     src = torch.arange(4.0)
     dst = torch.full((4,), float("nan"))
-    th.copy(dst, src)
+    th.cp_async(dst, src)
     th.mbarrier_arrive(bar, noinc=True)
     assert bar.state() == (0, 1, 0)              # nothing counted until the copy lands
     th.land(0)
@@ -167,9 +168,9 @@ def test_cp_async_arrive_noinc_is_the_threads_arrival():
 
 
 def test_cp_async_arrive_without_noinc_nets_to_zero():
-    bar, th = M.MBarrier(1), M.CpAsyncThread()
-    th.copy(torch.zeros(2), torch.ones(2))
-    th.mbarrier_arrive(bar)                      # pending 1 -> 2; the landing takes it back to 1
+    bar, th = M.MBarrier(1), ca.AsyncCopyUnit()
+    th.cp_async(torch.zeros(2), torch.ones(2))
+    th.mbarrier_arrive(bar, noinc=False)         # pending 1 -> 2; the landing takes it back to 1
     assert bar.state() == (0, 2, 0)
     th.land(0)
     assert bar.state() == (0, 1, 0)              # the thread's own arrival is still owed
@@ -178,9 +179,9 @@ def test_cp_async_arrive_without_noinc_nets_to_zero():
 
 
 def test_cp_async_arrive_tracks_every_prior_copy_in_any_landing_order():
-    bar, th = M.MBarrier(1), M.CpAsyncThread()
+    bar, th = M.MBarrier(1), ca.AsyncCopyUnit()
     for _ in range(3):
-        th.copy(torch.zeros(1), torch.ones(1))
+        th.cp_async(torch.zeros(1), torch.ones(1))
     th.mbarrier_arrive(bar, noinc=True)
     for i in (2, 0):
         th.land(i)
@@ -193,7 +194,7 @@ def test_cp_async_arrive_tracks_every_prior_copy_in_any_landing_order():
 
 def test_cp_async_arrive_with_nothing_in_flight_arrives_at_once():
     bar = M.MBarrier(1)
-    M.CpAsyncThread().mbarrier_arrive(bar, noinc=True)
+    ca.AsyncCopyUnit().mbarrier_arrive(bar, noinc=True)
     assert bar.state() == (1, 1, 0)
 
 
@@ -202,23 +203,23 @@ def test_cp_async_tile_sum_matches_the_reference(arrival):
     x = torch.randn(37, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     order = torch.randperm(37, generator=torch.Generator().manual_seed(6)).tolist()
     for land_order in (None, order):
-        assert M.cp_async_tile_sum(x, arrival, land_order) == float(x.sum())
+        assert ca.cp_async_tile_sum(x, arrival, land_order) == float(x.sum())
 
 
 def test_cp_async_tile_sum_broken_arrivals_are_caught():
     x = torch.randn(16, 4, dtype=torch.float64)
-    assert math.isnan(M.cp_async_tile_sum(x, "arrive"))       # plain arrive: bytes not yet landed
+    assert math.isnan(ca.cp_async_tile_sum(x, "arrive"))       # plain arrive: bytes not yet landed
     with pytest.raises(M.Deadlock, match="16 arrivals still pending"):
-        M.cp_async_tile_sum(x, "cp.async")                     # no .noinc and no arrive: never completes
+        ca.cp_async_tile_sum(x, "cp.async")                     # no .noinc and no arrive: never completes
 
 
 def test_cp_async_tile_sum_bad_inputs():
     with pytest.raises(ValueError, match="x must be"):
-        M.cp_async_tile_sum(torch.zeros(8))
+        ca.cp_async_tile_sum(torch.zeros(8))
     with pytest.raises(ValueError, match="arrival must be"):
-        M.cp_async_tile_sum(torch.zeros(2, 2), "arrive.noinc")
+        ca.cp_async_tile_sum(torch.zeros(2, 2), "arrive.noinc")
     with pytest.raises(ValueError, match="land_order must be a permutation"):
-        M.cp_async_tile_sum(torch.zeros(2, 2), land_order=[0, 0])
+        ca.cp_async_tile_sum(torch.zeros(2, 2), land_order=[0, 0])
 
 
 # ---------------------------------------------------------------------------------------------

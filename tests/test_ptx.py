@@ -265,7 +265,7 @@ def test_mbarrier_arrive_tracks_every_earlier_copy_committed_or_not():
     unit.commit_group()
     unit.cp_async(dst[1], src[1])                          # not committed: tracked all the same
     bar = MBarrier(1)
-    unit.mbarrier_arrive_noinc(bar)
+    unit.mbarrier_arrive(bar, noinc=True)
     unit.cp_async(dst[2], src[2])                          # issued after the arrive: not tracked
     assert not bar.try_wait_parity(0) and dst.abs().sum() == 0   # lazy: nothing has landed, no arrival yet
     unit.wait_mbarrier(bar, 0)

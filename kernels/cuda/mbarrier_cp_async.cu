@@ -6,7 +6,7 @@
 // on it when they have all landed. With .noinc that asynchronous arrival is the thread's arrival
 // (the barrier is initialised with one expected arrival per copying thread); without .noinc the
 // pending count is first raised by one, so the asynchronous arrival nets to zero and the thread
-// must also arrive itself. kernels/ptx/mbarrier.py emulates both forms (CpAsyncThread).
+// must also arrive itself. kernels/ptx/cp_async.py emulates both forms (AsyncCopyUnit.mbarrier_arrive).
 //
 // Kernel cp_async_arrive_sum: out[0] = sum of x[0:TILE] (fp32), one block of 160 threads.
 // Warps 0..3 (128 threads) each copy 16 bytes of the 2 KiB tile with cp.async and arrive on `full`

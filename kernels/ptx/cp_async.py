@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.ptx.mbarrier import Deadlock, MBarrier
+from kernels.ptx.mbarrier import MAX_COUNT, Deadlock, MBarrier, MBarrierError
 
 
 class _Copy:
@@ -45,19 +45,22 @@ class _Copy:
 
 
 class AsyncCopyUnit:
-    """One thread's cp.async state: uncommitted copies and the queue of committed groups."""
+    """One thread's cp.async state: its copies in issue order, the uncommitted ones, the queue of
+    committed groups, and the ``cp.async.mbarrier.arrive`` arrivals still waiting for their copies."""
 
     def __init__(self, *, eager: bool = False):
         self.eager = eager
+        self.issued: list[_Copy] = []
         self.uncommitted: list[_Copy] = []
         self.groups: deque[list[_Copy]] = deque()
-        self.trackers: list[tuple[list[_Copy], MBarrier]] = []   # arrivals waiting for their copies
+        self.trackers: list[tuple[list[_Copy], MBarrier]] = []   # (copies it waits for, barrier to arrive on)
         self.log: list[str] = []
 
-    def cp_async(self, dst: torch.Tensor, src: torch.Tensor, src_bytes: int | None = None) -> None:
-        """Start copying ``src`` (global) into ``dst`` (a view of shared memory). ``src_bytes``
-        is PTX's src-size operand: only the first ``src_bytes`` bytes are read from ``src`` and the
-        rest of ``dst`` is zero-filled (0 reads nothing), how a kernel masks a tile's tail."""
+    def cp_async(self, dst: torch.Tensor, src: torch.Tensor, src_bytes: int | None = None) -> int:
+        """Start copying ``src`` (global) into ``dst`` (a view of shared memory); return the copy's
+        index for :meth:`land`. ``src_bytes`` is PTX's src-size operand: only the first ``src_bytes``
+        bytes are read from ``src`` and the rest of ``dst`` is zero-filled (0 reads nothing), how a
+        kernel masks a tile's tail."""
         if dst.shape != src.shape:
             raise ValueError(f"cp_async: dst shape {tuple(dst.shape)} differs from src shape {tuple(src.shape)}")
         nbytes = src.numel() * src.element_size()
@@ -73,10 +76,28 @@ class AsyncCopyUnit:
             landed[:keep] = src.flatten()[:keep]     # bytes past src_bytes are never read
             landed = landed.view_as(src)
         copy = _Copy(dst, landed)
-        if self.eager:
-            copy.land()
+        self.issued.append(copy)
         self.uncommitted.append(copy)
         self.log.append(f"cp.async {nbytes} B" + ("" if src_bytes is None else f", src-size {src_bytes}"))
+        if self.eager:
+            self._land(copy)
+        return len(self.issued) - 1
+
+    def _land(self, copy: _Copy) -> None:
+        """Land one copy; every arrival whose tracked copies have now all landed happens."""
+        copy.land()
+        ready = [t for t in self.trackers if all(c.landed for c in t[0])]
+        self.trackers = [t for t in self.trackers if not all(c.landed for c in t[0])]
+        for _, bar in ready:
+            bar.arrive()
+
+    def land(self, i: int) -> None:
+        """Land the ``i``-th issued copy now. The copies of one thread are not ordered among
+        themselves, so any of them may land first; a schedule that lands them out of order is one the
+        hardware may choose."""
+        if not 0 <= i < len(self.issued) or self.issued[i].landed:
+            raise ValueError(f"copy {i} is not in flight")
+        self._land(self.issued[i])
 
     def commit_group(self) -> None:
         self.groups.append(self.uncommitted)
@@ -89,37 +110,44 @@ class AsyncCopyUnit:
             raise ValueError(f"wait_group N needs N >= 0, got {n}")
         while len(self.groups) > n:
             for copy in self.groups.popleft():
-                copy.land()
+                if not copy.landed:
+                    self._land(copy)
         self.log.append(f"wait_group {n} -> {len(self.groups)} pending")
 
     def wait_all(self) -> None:
         self.commit_group()
         self.wait_group(0)
 
-    def mbarrier_arrive_noinc(self, bar: MBarrier) -> None:
-        """cp.async.mbarrier.arrive.noinc: one arrival on ``bar`` (the mbarrier chapter's
-        :class:`~kernels.ptx.mbarrier.MBarrier`), made once every cp.async this thread issued before it
-        (committed or not) has landed; it counts against ``bar``'s count."""
-        copies = [c for g in self.groups for c in g if not c.landed] + [c for c in self.uncommitted if not c.landed]
+    def mbarrier_arrive(self, bar: MBarrier, *, noinc: bool) -> None:
+        """``cp.async.mbarrier.arrive[.noinc]`` on ``bar`` (the mbarrier chapter's
+        :class:`~kernels.ptx.mbarrier.MBarrier`): an arrival made once every cp.async this thread
+        issued before it (committed or not) has landed. With ``.noinc`` it is the thread's arrival and
+        counts against ``bar``'s expected count; without it the pending count is first raised by one,
+        so the asynchronous arrival nets to zero and the thread must still arrive itself."""
+        if not noinc:
+            if bar.pending + 1 > MAX_COUNT:
+                raise MBarrierError(f"cp.async.mbarrier.arrive takes the pending count past {MAX_COUNT}")
+            bar.pending += 1
+        copies = [c for c in self.issued if not c.landed]
         if copies:
             self.trackers.append((copies, bar))
         else:
-            bar.arrive()
-        self.log.append(f"cp.async.mbarrier.arrive.noinc -> tracks {len(copies)} copies")
+            bar.arrive()                              # nothing in flight: the arrival happens at once
+        self.log.append(f"cp.async.mbarrier.arrive{'.noinc' if noinc else ''} -> tracks {len(copies)} copies")
 
     def wait_mbarrier(self, bar: MBarrier, parity: int) -> None:
         """``mbarrier.try_wait.parity`` in a loop, for this one thread: land the copies its pending
-        arrivals on ``bar`` track (lazily, as late as the ISA allows), make those arrivals, then require
-        the phase; no other thread can complete it here, so a missing arrival is a :class:`Deadlock`."""
+        arrivals on ``bar`` track (lazily, as late as the ISA allows), which makes those arrivals, then
+        require the phase; no other thread can complete it here, so a missing arrival is a
+        :class:`Deadlock`."""
         while not bar.try_wait_parity(parity):
             mine = next((t for t in self.trackers if t[1] is bar), None)
             if mine is None:
                 raise Deadlock(f"mbarrier wait on parity {parity} would never return: "
                                f"{bar.pending} of {bar.expected} arrivals missing")
-            self.trackers.remove(mine)
-            for c in mine[0]:
-                c.land()
-            bar.arrive()
+            for copy in mine[0]:
+                if not copy.landed:
+                    self._land(copy)
 
     @property
     def pending(self) -> int:
@@ -195,10 +223,10 @@ def mbarrier_tile_sums(x: torch.Tensor, stages: int = 3, *, arrive_first: bool =
 
     def issue(j: int) -> None:
         if arrive_first:
-            unit.mbarrier_arrive_noinc(full[j % stages])
+            unit.mbarrier_arrive(full[j % stages], noinc=True)
         unit.cp_async(smem[j % stages], x[j])
         if not arrive_first:
-            unit.mbarrier_arrive_noinc(full[j % stages])
+            unit.mbarrier_arrive(full[j % stages], noinc=True)
 
     for j in range(min(stages - 1, n_tiles)):        # prologue: no commit groups
         issue(j)
@@ -208,6 +236,60 @@ def mbarrier_tile_sums(x: torch.Tensor, stages: int = 3, *, arrive_first: bool =
         if i + stages - 1 < n_tiles:
             issue(i + stages - 1)                    # refill the slot tile i-1 used
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# cp.async into an mbarrier across threads: kernels/cuda/mbarrier_cp_async.cu, emulated (mbarrier chapter)
+
+
+ARRIVALS = ("cp.async.noinc", "cp.async+arrive", "cp.async", "arrive")
+
+
+def cp_async_tile_sum(x: torch.Tensor, arrival: str = "cp.async.noinc", land_order: list[int] | None = None) -> float:
+    """Emulate ``cp_async_arrive_sum`` of ``kernels/cuda/mbarrier_cp_async.cu``: the sum of ``x``
+    (threads, elements per thread), copied into NaN-filled shared memory by one cp.async per thread,
+    then summed by a consumer that waits on ``full`` (initialised with one arrival per thread).
+
+    ``arrival`` is what each copying thread does after its copy:
+
+    * ``"cp.async.noinc"``: ``cp.async.mbarrier.arrive.noinc`` (the kernel's choice);
+    * ``"cp.async+arrive"``: ``cp.async.mbarrier.arrive`` then ``mbarrier.arrive`` (also correct);
+    * ``"cp.async"``: ``cp.async.mbarrier.arrive`` alone: each asynchronous arrival nets to zero,
+      so the phase never completes (:class:`Deadlock`);
+    * ``"arrive"``: a plain ``mbarrier.arrive``: it does not wait for the copy, so the phase completes
+      before the bytes land and the consumer sums NaN.
+
+    Copies land as late as the consumer's wait allows, in ``land_order`` (default: thread order).
+    """
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_COUNT:
+        raise ValueError(f"x must be (threads, elements per thread) with 1..{MAX_COUNT} threads, got {tuple(x.shape)}")
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
+    threads = x.shape[0]
+    order = list(range(threads)) if land_order is None else list(land_order)
+    if sorted(order) != list(range(threads)):
+        raise ValueError(f"land_order must be a permutation of range({threads})")
+    tile = torch.full_like(x, float("nan"))
+    full = MBarrier(threads)
+    copier = [AsyncCopyUnit() for _ in range(threads)]
+    for t, unit in enumerate(copier):                  # every copying thread issues, reports, leaves
+        unit.cp_async(tile[t], x[t])
+        if arrival == "arrive":
+            full.arrive()
+        else:
+            unit.mbarrier_arrive(full, noinc=arrival == "cp.async.noinc")
+            if arrival == "cp.async+arrive":
+                full.arrive()
+    in_flight = list(order)
+    while not full.try_wait_parity(0):                 # the consumer's wait; copies land only now
+        if not in_flight:
+            raise Deadlock(f"consumer waits on full parity 0: every copy landed, {full.pending} arrivals still pending")
+        copier[in_flight[0]].land(0)
+        in_flight.pop(0)
+    total = float(tile.double().sum())
+    for t in in_flight:                                # the rest land before the kernel exits
+        copier[t].land(0)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------
