@@ -75,6 +75,45 @@ def test_soft_moe_layer_kernel_path_and_one_token_decode():
     assert torch.allclose(slots, one.expand_as(slots))
 
 
+def test_normalised_logits_are_scaled_cosines():
+    """slot_logits with a scale is scale * cos(x_t, phi_j), whatever the norms of x and phi; the
+    broken variant that normalises phi over the slots instead of over d is caught."""
+    g = torch.Generator().manual_seed(2)
+    x, phi, scale = torch.randn(2, 7, 16, generator=g, dtype=torch.float64), torch.randn(16, 5, generator=g, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)
+    dots = torch.einsum("bmd,ds->bms", x, phi)                                       # (2, 7, 5), term by term
+    norms = ((x * x).sum(-1) + sm.NORM_EPS).sqrt()[..., None] * ((phi * phi).sum(0) + sm.NORM_EPS).sqrt()
+    want = scale * dots / norms                                                     # scale * cos, eps as vmoe's
+    assert_close(sm.slot_logits(x, phi, scale), want)
+    rescaled = sm.slot_logits(x * 10, phi * 10, scale)                              # the norms (nearly) drop out:
+    assert float((rescaled - want).abs().max()) < 1e-6 and float((x @ phi).abs().max()) > 1   # eps is all that remains
+    assert_close(sm.slot_logits(x, phi), x @ phi)                                   # no scale: the raw product
+    broken = scale * (x / x.norm(dim=-1, keepdim=True)) @ (phi / phi.norm(dim=1, keepdim=True))
+    with pytest.raises(MismatchError):
+        assert_close(broken, want)
+
+
+def test_normalised_layer_kernel_path_and_last_layer_only_model():
+    """The normalised layer's kernel path equals its reference; with Soft MoE in the last block only,
+    the first (dense) block stays causal and only the final outputs read the future."""
+    torch.manual_seed(0)
+    model = MoEGPT(MoEConfig(layer="soft", n_experts=32, slots_per_expert=1, soft_normalize=True, soft_layers=1,
+                             block_size=16)).eval()
+    layer = model.moe_layers[0]
+    x = torch.randn(2, 11, 64)
+    with torch.no_grad():
+        assert_close(layer(x, use_kernels=True), layer(x))
+    seen = []
+    hook = model.blocks[0].register_forward_hook(lambda _m, _a, out: seen.append(out))
+    idx = torch.randint(0, 256, (1, 16))
+    changed = idx.clone()
+    changed[0, 12] = (changed[0, 12] + 1) % 256
+    with torch.no_grad():
+        logits = model(idx), model(changed)
+    hook.remove()
+    assert float((seen[0][0, :12] - seen[1][0, :12]).abs().max()) == 0.0               # block 0: causal
+    assert float((logits[0][0, :12] - logits[1][0, :12]).abs().max()) > 1e-4           # the Soft MoE block: not
+
+
 def test_a_future_token_changes_a_past_output():
     torch.manual_seed(0)
     soft = MoEGPT(MoEConfig(layer="soft", slots_per_expert=4, block_size=16)).eval()

@@ -26,7 +26,11 @@ The variants the MoE chapters compare, each a field of :class:`MoEConfig` (defau
 * ``n_groups`` / ``topk_groups``: device-limited routing (:mod:`kernels.moe.group_route`);
 * ``capacity_factor``: assignments past ceil(cf k T / E) per expert are dropped (``last_dropped``);
 * ``layer="soft"``: Soft MoE (:mod:`kernels.moe.soft_moe`) with ``slots_per_expert`` slots per
-  expert, mixing the tokens of each sequence.
+  expert, mixing the tokens of each sequence; ``soft_normalize`` computes its logits as the paper's
+  released router does (L2-normalised tokens and slot parameters, one learned scale), and
+  ``soft_layers`` puts it in the last blocks only, the blocks before them getting a dense SwiGLU MLP
+  of width ``top_k * d_expert`` (the active expert width of a top-k layer, so every arm computes the
+  same FLOPs per token).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.model.gpt import Attention, GPTConfig, RMSNorm, add_rms_norm_torch
+from kernels.model.gpt import MLP, Attention, GPTConfig, RMSNorm, add_rms_norm_torch
 from kernels.moe import balance
 from kernels.moe.group_route import group_limited_route, group_limited_route_ref
 from kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_ref
@@ -77,6 +81,8 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: dropless
     layer: str = "topk"                   # "topk" | "soft"
     slots_per_expert: int = 16            # Soft MoE's p
+    soft_normalize: bool = False          # Soft MoE logits: scale * cos(x, phi_j) instead of x . phi_j
+    soft_layers: int | None = None        # Soft MoE in the last soft_layers blocks only (None: all)
 
     def __post_init__(self):
         if self.balance not in BALANCE:
@@ -103,6 +109,10 @@ class MoEConfig:
                                      or self.capacity_factor is not None):
             raise ValueError("MoEConfig: layer='soft' takes none of balance, n_shared, d_latent, n_groups, "
                              "capacity_factor (its loads are even by construction)")
+        if self.layer != "soft" and (self.soft_normalize or self.soft_layers is not None):
+            raise ValueError("MoEConfig: soft_normalize and soft_layers apply to layer='soft' only")
+        if self.soft_layers is not None and not 1 <= self.soft_layers <= self.n_layer:
+            raise ValueError(f"MoEConfig: soft_layers must be in [1, n_layer={self.n_layer}], got {self.soft_layers}")
 
     @property
     def score(self) -> str:
@@ -115,11 +125,16 @@ class MoEConfig:
         """The width the routed experts read and write: d_latent for LatentMoE, else d_model."""
         return self.d_latent or self.d_model
 
+    @property
+    def n_dense(self) -> int:
+        """The first blocks, with a dense MLP instead of an MoE layer (Soft MoE in the last layers only)."""
+        return self.n_layer - self.soft_layers if self.soft_layers is not None else 0
+
     def gpt_config(self) -> GPTConfig:
-        """The attention's view of this config (d_ff is unused: the experts replace the MLP)."""
+        """The attention's view of this config; d_ff is the width of the dense blocks' MLP."""
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_kv_head=self.n_kv_head, d_model=self.d_model,
-                         rope_theta=self.rope_theta, norm_eps=self.norm_eps)
+                         d_ff=self.top_k * self.d_expert, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -222,6 +237,7 @@ class SoftMoELayer(nn.Module):
         self.config = config
         C, F_, E = config.d_model, config.d_expert, config.n_experts
         self.phi = nn.Parameter(torch.empty(C, E * config.slots_per_expert))    # slot logits X Phi
+        self.scale = nn.Parameter(torch.ones(())) if config.soft_normalize else None   # the paper's learned scale
         self.w_gate_up = nn.Parameter(torch.empty(E, C, 2 * F_))
         self.w_down = nn.Parameter(torch.empty(E, F_, C))
         self.last_load = self.last_aux = self.last_z = self.last_dropped = None
@@ -230,7 +246,8 @@ class SoftMoELayer(nn.Module):
         if x.dim() != 3:
             raise ValueError(f"SoftMoELayer: x must be (B, S, C): slots mix the tokens of a sequence, got {tuple(x.shape)}")
         experts = lambda slots: slot_experts(slots, self.w_gate_up.to(slots.dtype), self.w_down.to(slots.dtype))  # noqa: E731
-        y = (soft_moe if use_kernels else soft_moe_ref)(x, self.phi.to(x.dtype), experts)
+        scale = None if self.scale is None else self.scale.to(x.dtype)
+        y = (soft_moe if use_kernels else soft_moe_ref)(x, self.phi.to(x.dtype), experts, scale)
         cfg = self.config
         self.last_load = torch.full((cfg.n_experts,), x.shape[0] * cfg.slots_per_expert, dtype=torch.long)
         return y
@@ -240,20 +257,24 @@ class SoftMoELayer(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Pre-norm block: h = x + Attn(norm1(x)); out = h + MoE(norm2(h))."""
+    """Pre-norm block: h = x + Attn(norm1(x)); out = h + MoE(norm2(h)), or h + MLP(norm2(h)) for a
+    dense block (``moe`` is then None)."""
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, dense: bool = False):
         super().__init__()
         self.norm1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config.gpt_config())
         self.norm2 = RMSNorm(config.d_model, config.norm_eps)
-        self.moe = SoftMoELayer(config) if config.layer == "soft" else MoELayer(config)
+        if dense:
+            self.mlp, self.moe = MLP(config.gpt_config()), None
+        else:
+            self.moe = SoftMoELayer(config) if config.layer == "soft" else MoELayer(config)
         self.eps = config.norm_eps
 
     def forward(self, x, positions, use_kernels: bool = False):
         a = self.attn(self.norm1(x), positions)
         h, hn = add_rms_norm_torch(x, a, self.norm2.weight, self.eps)
-        return h + self.moe(hn, use_kernels)
+        return h + (self.mlp(hn, use_kernels) if self.moe is None else self.moe(hn, use_kernels))
 
 
 class MoEGPT(nn.Module):
@@ -261,17 +282,17 @@ class MoEGPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(MoEBlock(config, dense=i < config.n_dense) for i in range(config.n_layer))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Normal(0, 0.02); the projections into the residual stream (W_o, the experts' W_down, the
         shared experts' down projection, LatentMoE's W_up) scaled by 1/sqrt(2 n_layer), as in the tiny
-        GPT; norms at 1."""
-        into_residual = ("wo.weight", "w_down", "shared_down", "latent_up.weight")
+        GPT; norms and Soft MoE's learned scale at 1."""
+        into_residual = ("wo.weight", "w_down", "mlp.w_down.weight", "shared_down", "latent_up.weight")
         for name, p in self.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("moe.scale"):        # norms and Soft MoE's scale at 1
                 nn.init.ones_(p)
             elif name.endswith(into_residual):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
@@ -280,7 +301,7 @@ class MoEGPT(nn.Module):
 
     @property
     def moe_layers(self) -> list:
-        return [b.moe for b in self.blocks]
+        return [b.moe for b in self.blocks if b.moe is not None]
 
     def forward(self, idx: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
         """Logits (B, S, V) for token ids idx (B, S)."""
@@ -307,16 +328,19 @@ class MoEGPT(nn.Module):
 def count_parameters(config: MoEConfig) -> dict[str, int]:
     """Total and active (per token) parameters. A token runs k of the E routed experts, the shared
     experts and LatentMoE's two projections; a Soft MoE token's slot share runs through k = E p / S
-    experts' worth of weights (its active count uses that expert FLOP equivalent)."""
+    experts' worth of weights (its active count uses that expert FLOP equivalent). Dense blocks (Soft
+    MoE in the last layers only) run their whole SwiGLU MLP of width k F."""
     C, E, F_, L, W = config.d_model, config.n_experts, config.d_expert, config.n_layer, config.expert_width
+    M = L - config.n_dense                                                      # MoE layers
     attn = C * config.n_head * (C // config.n_head) * 2 + 2 * C * config.n_kv_head * (C // config.n_head)
     expert = 3 * W * F_
     if config.layer == "soft":
-        router = C * E * config.slots_per_expert
+        router = C * E * config.slots_per_expert + int(config.soft_normalize)   # Phi and the scale
         k_equiv = E * config.slots_per_expert / config.block_size
     else:
         router = C * E
         k_equiv = config.top_k
     always = 2 * C * (config.d_latent or 0) + 3 * C * config.n_shared * F_     # latent projections, shared experts
-    dense = config.vocab_size * C + L * (attn + router + always + 2 * C) + C
-    return {"total": dense + L * E * expert, "active": dense + round(L * k_equiv * expert), "per_expert": expert}
+    mlp = 3 * C * config.top_k * F_                                             # a dense block's SwiGLU
+    dense = config.vocab_size * C + L * (attn + 2 * C) + M * (router + always) + config.n_dense * mlp + C
+    return {"total": dense + M * E * expert, "active": dense + round(M * k_equiv * expert), "per_expert": expert}

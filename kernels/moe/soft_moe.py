@@ -16,6 +16,11 @@ as a Triton kernel: one program per (sequence, block of output rows, block of d)
 over the blocks of the mixed axis (FlashAttention's recurrence, with S read from memory instead of
 computed from Q K^T), and ``soft_mix_ref`` is its PyTorch reference.
 
+The logits: L = X Phi as above, or, as in the paper's released router (``scale`` given), the cosine of
+every token and slot parameter times one learned scalar: L = scale * X^ Phi^, with X^ each token
+L2-normalised over d and Phi^ each slot's column likewise (:func:`slot_logits`). Only the logits
+read the normalised X; the dispatch still mixes X itself.
+
 Cost: the experts see s slot vectors per sequence whatever m is, so s = k m gives the expert FLOPs
 of a top-k MoE; the two mixtures add 2 m s d multiply-adds each. No token is dropped and no load is
 uneven (every expert gets exactly p slots). The price is causality: slot j mixes *all* m tokens, so
@@ -44,10 +49,24 @@ def soft_mix_ref(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.to(wide), dim=-1) @ values.to(wide)
 
 
-def soft_moe_ref(x: torch.Tensor, phi: torch.Tensor, experts) -> torch.Tensor:
+NORM_EPS = 1e-6      # under the square root of the L2 normalisation
+
+
+def slot_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """L (B, m, s) for x (B, m, d) and phi (d, s): x @ phi, or with ``scale`` (a 0-d tensor)
+    scale * (x / |x|) @ (phi / |phi_j|), each token and each slot column L2-normalised over d."""
+    if scale is None:
+        return x @ phi
+    x_hat = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + NORM_EPS)           # (B, m, d), |x_t| = 1
+    phi_hat = phi * torch.rsqrt(phi.pow(2).sum(0, keepdim=True) + NORM_EPS)      # (d, s), |phi_j| = 1
+    return scale * (x_hat @ phi_hat)                                             # scale * cos(x_t, phi_j)
+
+
+def soft_moe_ref(x: torch.Tensor, phi: torch.Tensor, experts, scale: torch.Tensor | None = None) -> torch.Tensor:
     """One Soft MoE layer in PyTorch: x (B, m, d), phi (d, s); ``experts`` maps the slot inputs
-    (B, s, d) to the slot outputs (B, s, d). Returns Y (B, m, d) in x's dtype."""
-    logits = x @ phi                                                        # (B, m, s)
+    (B, s, d) to the slot outputs (B, s, d); ``scale``: normalised logits (:func:`slot_logits`).
+    Returns Y (B, m, d) in x's dtype."""
+    logits = slot_logits(x, phi, scale)                                     # (B, m, s)
     slots_in = soft_mix_ref(logits.transpose(1, 2), x)                      # (B, s, d) = D^T X
     slots_out = experts(slots_in.to(x.dtype))                               # (B, s, d)
     return soft_mix_ref(logits, slots_out).to(x.dtype)                      # (B, m, d) = C Y~
@@ -156,9 +175,9 @@ def _check_mix(name: str, scores, values) -> None:
         raise ValueError(f"{name}: scores and values must be fp16, bf16 or fp32, got {scores.dtype} and {values.dtype}")
 
 
-def soft_moe(x: torch.Tensor, phi: torch.Tensor, experts) -> torch.Tensor:
+def soft_moe(x: torch.Tensor, phi: torch.Tensor, experts, scale: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`soft_moe_ref` with both mixtures done by the :func:`soft_mix` kernel."""
-    logits = (x @ phi).to(x.dtype)                                          # (B, m, s)
+    logits = slot_logits(x, phi, scale).to(x.dtype)                         # (B, m, s)
     slots_out = experts(soft_mix(logits.transpose(1, 2), x))                # (B, s, d)
     return soft_mix(logits, slots_out.to(x.dtype))                          # (B, m, d)
 

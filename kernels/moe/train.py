@@ -4,7 +4,8 @@ A *study* is a list of *arms* (:data:`ARMS`: a name and the :class:`~kernels.moe
 fields it changes), trained from the same initial seed on the same batches for the same number of
 steps, and written to ``models/moe/<file>`` (:data:`STUDIES`). Every log holds, per arm and per
 step, the training loss, the balancing loss, the expert loads of every layer (assignments per
-expert, integers) and, with a capacity, the dropped assignments; the validation loss every
+expert, integers; routed layers only: a Soft MoE layer's are p B by construction) and, with a
+capacity, the dropped assignments; the validation loss every
 ``eval_every`` steps; and at the end :func:`final_eval` (validation loss without capacity, the
 prefix-only loss that a decoder would see, the number of device groups each token's experts span).
 Deterministic for a given torch version and thread count: the chapters and tests re-run the first
@@ -20,7 +21,11 @@ Studies (each a chapter of the MoE part):
   offloading chapter's routing trace;
 * ``device``: the fine-grained MoE with its 16 experts on 4 "devices", each token limited to 2 or 1;
 * ``capacity``: the top-2 MoE with capacity factors 1.0 and 1.25 (dropping) against dropless;
-* ``soft``: Soft MoE with the top-2 MoE's expert FLOPs (p = k S / E = 16 slots per expert);
+* ``soft``: Soft MoE with the top-2 MoE's expert FLOPs (p = k S / E = 16 slots per expert), as the
+  course builds it (8 experts, both layers, raw logits) and closer to the paper's released
+  configuration (``soft-paper``: one slot per expert, so 128 experts for the same 128 slots;
+  normalised logits with a learned scale; Soft MoE in the last layer only, the first a dense SwiGLU
+  of the same FLOPs), three seeds each;
 * ``seeds``: the top-2 and fine-grained arms from two more seeds: the spread that a difference
   between arms must exceed before it means anything.
 
@@ -44,7 +49,7 @@ from tqdm import tqdm
 from kernels.model import data
 from kernels.model.train import lr_at
 from kernels.moe.group_route import groups_per_token
-from kernels.moe.model import MODEL_DIR, MoEConfig, MoEGPT
+from kernels.moe.model import MODEL_DIR, MoEConfig, MoEGPT, MoELayer
 
 SEED = 1337
 VAL_WINDOWS = 16
@@ -54,6 +59,7 @@ CHECKPOINT = MODEL_DIR / "top2.pt"
 SOFT_CHECKPOINT = MODEL_DIR / "soft.pt"
 CHECKPOINTS = {"top2": CHECKPOINT, "soft": SOFT_CHECKPOINT}      # the arms whose weights are kept
 FINE = dict(balance="switch", n_experts=16, top_k=4, d_expert=32)
+SOFT_PAPER = dict(layer="soft", n_experts=128, slots_per_expert=1, soft_normalize=True, soft_layers=1)
 ARMS = {
     # balance: the config's balance setting; "bias" routes with sigmoid, the others with softmax ...
     "none": dict(balance="none"), "switch": dict(balance="switch"), "z": dict(balance="z"),
@@ -74,6 +80,12 @@ ARMS = {
     "cf1.25": dict(balance="switch", capacity_factor=1.25),
     # soft: slots = k * block_size = 128, the top-2 arm's expert FLOPs
     "soft": dict(layer="soft", slots_per_expert=16),
+    "soft@1338": dict(layer="soft", slots_per_expert=16, seed=1338),
+    "soft@1339": dict(layer="soft", slots_per_expert=16, seed=1339),
+    # ... and as the paper's released models use it: 1 slot per expert, normalised, last layer only
+    "soft-paper": SOFT_PAPER,
+    "soft-paper@1338": dict(SOFT_PAPER, seed=1338),
+    "soft-paper@1339": dict(SOFT_PAPER, seed=1339),
     # seeds: two arms again from other initial weights and batches, to measure the noise floor
     "top2@1338": dict(balance="switch", seed=1338), "top2@1339": dict(balance="switch", seed=1339),
     "fine@1338": dict(FINE, seed=1338), "fine@1339": dict(FINE, seed=1339),
@@ -83,7 +95,7 @@ STUDIES = {
     "experts": ("experts.json", ["top2", "fine", "fine+shared", "latent"]),
     "device": ("device.json", ["devices2", "devices1"]),
     "capacity": ("capacity.json", ["cf1.0", "cf1.25"]),
-    "soft": ("soft.json", ["soft"]),
+    "soft": ("soft.json", ["soft", "soft@1338", "soft@1339", "soft-paper", "soft-paper@1338", "soft-paper@1339"]),
     "seeds": ("seeds.json", ["top2@1338", "top2@1339", "fine@1338", "fine@1339"]),
 }
 METHODS = {m: ARMS[m]["balance"] for m in STUDIES["balance"][1]}     # the balancing chapter's arms
@@ -183,7 +195,10 @@ def run(method: str, *, steps: int, schedule_steps: int, batch_size: int, max_lr
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=max_lr, betas=(0.9, 0.95))
-    log = {"method": method, "config": ARMS[method], "train_loss": [], "balance_loss": [], "loads": [], "val": []}
+    routed = [layer for layer in model.moe_layers if isinstance(layer, MoELayer)]      # whose loads vary
+    log = {"method": method, "config": ARMS[method], "train_loss": [], "balance_loss": [], "val": []}
+    if routed:
+        log["loads"] = []
     if config.capacity_factor is not None:
         log["dropped"] = []
     bar = tqdm(range(1, steps + 1), desc=f"moe {method}", unit="step", disable=not progress)
@@ -203,7 +218,8 @@ def run(method: str, *, steps: int, schedule_steps: int, batch_size: int, max_lr
                 layer.update_bias()                                         # after the step, from its load
         log["train_loss"].append(round(lm.item(), 5))
         log["balance_loss"].append(round(float(extra.detach()), 6))
-        log["loads"].append([layer.last_load.tolist() for layer in model.moe_layers])
+        if routed:
+            log["loads"].append([layer.last_load.tolist() for layer in routed])
         if "dropped" in log:
             log["dropped"].append([layer.last_dropped for layer in model.moe_layers])
         if step % eval_every == 0 or step == steps:
