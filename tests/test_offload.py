@@ -129,3 +129,53 @@ def test_aot_build_at_a_mixtral_decode_step():
     jobs = offload.compile_jobs()
     (build,) = [b["sm90"] for b in ki.compile_triton_many(list(jobs.values()), archs=("sm90",))]
     assert build.spills == 0 and build.tensor_core == "HGMMA"
+
+
+def test_repeat_rates_count_pairs_within_sequences():
+    """Two sequences of 3 tokens (top-2, first choice first): the pair across the boundary is not counted."""
+    used = torch.tensor([[[0, 1]], [[0, 2]], [[3, 4]],        # seq 1: (0,1)->(0,2) first and shared; ->(3,4) neither
+                         [[4, 3]], [[5, 3]], [[3, 5]]])       # seq 2: (4,3)->(5,3) shared; ->(3,5) shared, not first
+    first, shared = offload.repeat_rates(used, seq_len=3)
+    assert float(first[0]) == 1 / 4 and float(shared[0]) == 3 / 4
+    boundary_counted_first = (used[1:, 0, 0] == used[:-1, 0, 0]).double().mean()     # the broken count, 5 pairs
+    assert float(boundary_counted_first) != float(first[0])
+
+
+def test_random_repeats_closed_form_and_monte_carlo():
+    first, shared = offload.random_repeats(8, 2)
+    assert first == 1 / 8 and shared == pytest.approx(13 / 28)          # Jiang et al.'s 12.5% and 46%
+    used = _trace(20000, 1, 8, 2, 5)
+    mc_first, mc_shared = offload.repeat_rates(used, seq_len=20000)
+    assert abs(float(mc_first[0]) - first) < 0.01 and abs(float(mc_shared[0]) - shared) < 0.015
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_lru_hit_rate_at_k_slots_lies_in_the_bounds_of_the_shared_fraction(seed):
+    """At slots = k the LRU hit rate is E[shared]/k; it lies in [p/k, p] for p = P(any shared), on a
+    random trace and on a sticky one (consecutive tokens often keep both experts)."""
+    random_trace = _trace(3000, 1, 8, 2, seed)
+    sticky = random_trace.clone()
+    keep = torch.rand(3000, generator=torch.Generator().manual_seed(seed)) < 0.5
+    for t in range(1, 3000):
+        if keep[t]:
+            sticky[t] = sticky[t - 1]
+    for used in (random_trace, sticky):
+        _, shared = offload.repeat_rates(used, seq_len=3000)
+        lo, hi = offload.lru_hit_rate_bounds(float(shared[0]))
+        assert lo <= simulate(used, 2)[0].hit_rate <= hi
+    assert simulate(sticky, 2)[0].hit_rate > 0.4 > simulate(random_trace, 2)[0].hit_rate
+    with pytest.raises(ValueError, match="probability"):
+        offload.lru_hit_rate_bounds(1.5)
+
+
+def test_published_tables_as_transcribed():
+    """Mixtral's Table 5: 8 subsets x layers 0, 15, 31, each pair (first, shared) with first <= shared;
+    layer 0 near random and layer 15 above it, as the paper says. Eliseev and Mazur's Table 2: every
+    GPU faster with each part of the system."""
+    rnd_first, rnd_shared = offload.random_repeats()
+    assert len(offload.MIXTRAL_REPEATS) == 8
+    for rows in offload.MIXTRAL_REPEATS.values():
+        assert tuple(rows) == offload.MIXTRAL_LAYERS and all(f <= s for f, s in rows.values())
+        assert abs(rows[0][0] - rnd_first) < 0.03 and rows[15][0] > rnd_first + 0.1 and rows[15][1] > rnd_shared
+    for full, no_pre, no_lru, naive in offload.EM_TOKENS_PER_S.values():
+        assert full > no_pre > no_lru > naive

@@ -24,6 +24,7 @@ sets), on-demand copies overlap nothing.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -74,6 +75,63 @@ def routing_trace(model, idx: torch.Tensor, guess_from: str = "block") -> tuple[
             h = moe_in[layer - 1].reshape(-1, moe_in[layer - 1].shape[-1])          # (T, C), already normalised
         guessed[:, layer] = _stable_topk(block.moe.router(h), k)
     return used, guessed
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixtral's published routing statistics, and what they bound
+
+
+# Jiang et al. 2024 (arXiv 2401.04088), section 5, Table 5: for consecutive tokens i, i+1 of 8 subsets
+# of The Pile, at Mixtral 8x7B's layers 0, 15 and 31, the fraction whose first-choice expert is the
+# same, and the fraction whose two experts share at least one ("first or second choice").
+MIXTRAL_REPEATS = {   # subset: {layer: (first choice repeated, at least one expert shared)}
+    "ArXiv":            {0: (0.140, 0.465), 15: (0.279, 0.623), 31: (0.227, 0.529)},
+    "DM Mathematics":   {0: (0.141, 0.449), 15: (0.284, 0.670), 31: (0.197, 0.445)},
+    "Github":           {0: (0.149, 0.499), 15: (0.281, 0.669), 31: (0.197, 0.492)},
+    "Gutenberg":        {0: (0.139, 0.495), 15: (0.261, 0.631), 31: (0.263, 0.522)},
+    "PhilPapers":       {0: (0.136, 0.469), 15: (0.253, 0.619), 31: (0.221, 0.513)},
+    "PubMed Abstracts": {0: (0.142, 0.486), 15: (0.246, 0.616), 31: (0.220, 0.518)},
+    "StackExchange":    {0: (0.136, 0.482), 15: (0.272, 0.646), 31: (0.236, 0.536)},
+    "Wikipedia (en)":   {0: (0.144, 0.498), 15: (0.236, 0.621), 31: (0.253, 0.518)},
+}
+MIXTRAL_LAYERS = (0, 15, 31)
+
+# Eliseev and Mazur 2023 (arXiv 2312.17238), Table 2: Mixtral-8x7B-Instruct with 4-bit attention and
+# 2-bit experts, tokens per second at batch 1, the full system and its ablations; k = 2 cached experts
+# per layer on the RTX 3060, 4 on the others (their section 4.3).
+EM_TOKENS_PER_S = {   # gpu: (full, without pre-loading, without LRU and pre-loading, naive offloading)
+    "A100": (3.061, 2.918, 2.265, 1.392),
+    "RTX 3080 Mobile": (2.655, 2.227, 1.758, 1.059),
+    "RTX 3060": (2.278, 2.051, 1.547, 0.919),
+    "T4 (Colab)": (2.092, 1.567, 1.168, 0.661),
+}
+
+
+def random_repeats(n_experts: int = 8, k: int = 2) -> tuple[float, float]:
+    """(first choice repeated, at least one of k shared) for consecutive tokens routed at random:
+    1/E and 1 - C(E-k, k) / C(E, k) (1/8 and 13/28 for Mixtral's top-2 of 8)."""
+    return 1 / n_experts, 1 - math.comb(n_experts - k, k) / math.comb(n_experts, k)
+
+
+def repeat_rates(used: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table 5's two statistics of a trace (T, L, k) made of sequences of ``seq_len`` tokens, per
+    layer (L,): consecutive tokens (within a sequence) whose first choice is the same, and whose
+    experts share at least one. ``used[..., 0]`` must be each token's first choice."""
+    T = used.shape[0]
+    pair = (torch.arange(1, T) % seq_len) != 0                                   # (T-1,) same sequence
+    prev, nxt = used[:-1][pair], used[1:][pair]                                  # (P, L, k)
+    first = (prev[..., 0] == nxt[..., 0]).double().mean(0)
+    shared = (nxt[..., :, None] == prev[..., None, :]).any(-1).any(-1).double().mean(0)
+    return first, shared
+
+
+def lru_hit_rate_bounds(p_shared: float, k: int = 2) -> tuple[float, float]:
+    """With a cache of exactly k experts per layer and top-k routing, LRU holds the previous token's
+    k experts, so its hit rate is E[experts shared] / k. Knowing only p = P(at least one shared),
+    p <= E[shared] <= k p: the hit rate lies in [p / k, p]."""
+    if not 0 <= p_shared <= 1:
+        raise ValueError(f"lru_hit_rate_bounds: p_shared must be a probability, got {p_shared}")
+    return p_shared / k, p_shared
 
 
 # ----------------------------------------------------------------------------------------------
