@@ -81,6 +81,18 @@ def expected_groups(n_experts: int, n_groups: int, k: int) -> float:
     return n_groups * (1 - math.comb(n_experts - per, k) / math.comb(n_experts, k))
 
 
+def groups_distribution(n_experts: int, n_groups: int, k: int) -> list[float]:
+    """P(k experts drawn uniformly without replacement touch exactly j groups), j = 0..G: choose the j
+    groups, then count the k-subsets of their j E/G experts that leave none of them empty
+    (inclusion-exclusion over the groups left empty)."""
+    if n_experts % n_groups or not 1 <= k <= n_experts:
+        raise ValueError(f"groups_distribution: need n_groups | n_experts and 1 <= k <= n_experts, "
+                         f"got E={n_experts}, G={n_groups}, k={k}")
+    per, total = n_experts // n_groups, math.comb(n_experts, k)
+    onto = lambda j: sum((-1) ** i * math.comb(j, i) * math.comb((j - i) * per, k) for i in range(j + 1))  # noqa: E731
+    return [math.comb(n_groups, j) * onto(j) / total for j in range(n_groups + 1)]
+
+
 def _check_group_args(name, logits, k, n_groups, topk_groups, score, bias, group_score, route_scale) -> None:
     _check_route_args(name, logits, k, score, bias, route_scale)
     E = logits.shape[1]
