@@ -34,11 +34,12 @@ size is the tensor cores' choice, not the page's. FlashAttention 3's paged path 
 way when a page is smaller than its tile, and FlashInfer computes every row's address from its own
 page entry. fp16 and bf16 pages multiply on tensor cores (fp32 accumulation); fp32 pages multiply in
 full fp32 (input_precision "ieee", as decode does), which Triton lowers to FMAs on CUDA cores, since
-TF32 would round the keys to 10 mantissa bits. With a window, tiles wholly before lo_b are never visited: the loop starts at tile
-lo_b // BLOCK_S, and the positions of the first tile before lo_b are masked (neither their table
-entries nor their keys are loaded). The design follows vLLM's paged attention
-(vllm-project/vllm@cc17020a, csrc/attention/paged_attention_v1.cu: block_tables); the code is
-written fresh.
+TF32 would round the keys to 10 mantissa bits.
+
+With a window, tiles wholly before lo_b are never visited: the loop starts at tile lo_b // BLOCK_S,
+and the positions of that first tile before lo_b are masked (neither their table entries nor their
+keys are loaded). The design follows vLLM's paged attention (vllm-project/vllm@cc17020a,
+csrc/attention/paged_attention_v1.cu: block_tables); the code is written fresh.
 """
 from __future__ import annotations
 
@@ -121,9 +122,10 @@ def _paged_decode_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(L - WINDOW, 0)                          # lo = max(0, L - W)
-    heads, t0, row_ok = _tile_rows(hk, GROUP, 1, BLOCK_G, False)   # row g: head hk*GROUP + g, g < GROUP; padded to >= 16
+    # tile row g (the MMA's M axis, padded to >= 16): query head hk * GROUP + g, valid for g < GROUP
+    heads, t0, row_ok = _tile_rows(hk, GROUP, 1, BLOCK_G, False)
     if BROKEN == "interleaved-heads":
-        heads = tl.arange(0, BLOCK_G) * tl.num_programs(1) + hk       # broken on purpose: head g * Hkv + hk
+        heads = tl.arange(0, BLOCK_G) * tl.num_programs(1) + hk   # broken on purpose: head g * Hkv + hk
     q = _load_rows_q(q_ptr, b, heads, t0, row_ok, stride_qb, stride_qh, 0, stride_qd, D, BLOCK_D)   # (BLOCK_G, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -138,15 +140,15 @@ def _paged_decode_kernel(
         pos = t * BLOCK_S + s                                   # (BLOCK_S,) sequence positions of the tile
         in_seq = (pos < L) & (pos >= lo)                        # lo <= pos < L
         if BROKEN == "one-page-per-tile":
-            page = tl.load(table_row + (t * BLOCK_S) // PAGE).to(tl.int64)   # broken on purpose: the first row's page for all
+            page = tl.load(table_row + (t * BLOCK_S) // PAGE).to(tl.int64)   # broken on purpose: one page, all rows
         else:
             page = tl.load(table_row + pos // PAGE, mask=in_seq, other=0).to(tl.int64)   # (BLOCK_S,) each row's page
         slot = pos % PAGE                                       # (BLOCK_S,) each row's place in its page
         s_ok = in_seq
         if BROKEN == "length-mask":
-            s_ok = pos >= lo                                    # broken on purpose: the last tile read whole (page 0 past L)
+            s_ok = pos >= lo                                    # broken on purpose: reads past L (page 0 there)
         kv_mask = s_ok[:, None] & d_ok[None, :]
-        k_rows = k_head + page * stride_kp + slot * stride_ks   # (BLOCK_S,) pointers, int64 offsets: a pool passes 2**31
+        k_rows = k_head + page * stride_kp + slot * stride_ks   # (BLOCK_S,) pointers; int64: a pool passes 2**31
         v_rows = v_head + page * stride_vp + slot * stride_vs
         k = tl.load(k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)   # (BLOCK_S, BLOCK_D)
         v = tl.load(v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
