@@ -8,7 +8,7 @@ import torch
 from kernels import inspect as ki
 from kernels import runtime
 from kernels.attention import paged
-from kernels.attention.decode import decode_attention, decode_attention_ref
+from kernels.attention.decode import DecodeTiles, decode_attention, decode_attention_ref
 from kernels.attention.paged import gather_pages, paged_decode_attention, paged_decode_attention_ref
 from kernels.serving.allocator import BlockAllocator, OutOfPages, fragmentation, slot_mapping
 from kernels.testing import MismatchError, assert_close, nan_canary
@@ -101,22 +101,45 @@ def test_window_skips_pages_before_it():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("block_s", [2, 4, 8])
-def test_sub_tiles_inside_a_page(block_s):
-    q, k, v, table, L = _case(2, 4, 2, 16, 8, [19, 3])
-    got = paged_decode_attention(q, k, v, table, L, block_s=block_s, window=5)
-    assert_close(got, paged_decode_attention_ref(q.double(), k.double(), v.double(), table, L, window=5),
-                 dtype=torch.float32, baseline=paged_decode_attention_ref(q, k, v, table, L, window=5))
+@pytest.mark.parametrize("P,block_s", [(8, 16), (8, 64), (32, 16), (32, 32), (32, 64)])
+def test_tiles_smaller_than_equal_to_and_larger_than_a_page(P, block_s):
+    """A tile inside one page (block_s <= P) or gathered from block_s / P pages (block_s > P): same answer."""
+    q, k, v, table, L = _case(2, 4, 2, 16, P, [71, 3])
+    got = paged_decode_attention(q, k, v, table, L, block_s=block_s, window=37)
+    assert_close(got, paged_decode_attention_ref(q.double(), k.double(), v.double(), table, L, window=37),
+                 dtype=torch.float32, baseline=paged_decode_attention_ref(q, k, v, table, L, window=37))
+
+
+def _caught(got, q, k, v, table, L):
+    """True when the check rejects ``got`` against the reference of the same inputs."""
+    try:
+        assert_close(got, paged_decode_attention_ref(q.double(), k.double(), v.double(), table, L),
+                     dtype=torch.float32, baseline=paged_decode_attention_ref(q, k, v, table, L))
+    except MismatchError:
+        return True
+    return False
 
 
 def test_broken_variant_without_length_mask_is_caught():
     q, k, v, table, L = _case(2, 4, 2, 16, 8, [19, 3])
     k = k.nan_to_num(0.0)                              # garbage past the length, not NaN: a silent wrong answer
     v = v.nan_to_num(5.0)
-    got = paged_decode_attention(q, k, v, table, L, mask_length=False)
-    with pytest.raises(MismatchError):
-        assert_close(got, paged_decode_attention_ref(q.double(), k.double(), v.double(), table, L),
-                     dtype=torch.float32, baseline=paged_decode_attention_ref(q, k, v, table, L))
+    assert _caught(paged_decode_attention(q, k, v, table, L, _broken="length-mask"), q, k, v, table, L)
+
+
+def test_broken_tile_read_from_one_page_is_caught():
+    """A 16-position tile over pages of 4 in a shuffled pool: reading all 16 rows from the tile's first
+    page (a kernel that assumes a tile never crosses a page) is caught; each row's own page is right."""
+    q, k, v, table, L = _case(2, 4, 2, 16, 4, [19, 30])
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    assert not _caught(paged_decode_attention(q, k, v, table, L, block_s=16), q, k, v, table, L)
+    assert _caught(paged_decode_attention(q, k, v, table, L, block_s=16, _broken="one-page-per-tile"), q, k, v, table, L)
+
+
+def test_broken_group_to_row_mapping_is_caught():
+    """Query head h belongs to K/V head h // (Hq / Hkv); rows filled with heads g * Hkv + hk instead are caught."""
+    q, k, v, table, L = _case(2, 6, 2, 16, 8, [19, 12])
+    assert _caught(paged_decode_attention(q, k, v, table, L, _broken="interleaved-heads"), q, k, v, table, L)
 
 
 def test_off_by_one_page_table_is_caught():
@@ -148,7 +171,11 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="share a dtype"):
         paged_decode_attention(q.double(), k, v, table, L)
     with pytest.raises(ValueError, match="block_s must be"):
-        paged_decode_attention(q, k, v, table, L, block_s=16)
+        paged_decode_attention(q, k, v, table, L, block_s=8)                 # tl.dot's smallest N and K is 16
+    with pytest.raises(ValueError, match="MAX_GROUP"):
+        paged_decode_attention(q[:, :1].expand(-1, 2 * 129, -1), k, v, table, L)   # 129 query heads per K/V head
+    with pytest.raises(ValueError, match="_broken must be"):
+        paged_decode_attention(q, k, v, table, L, _broken="no-mask")
 
 
 # ---------------------------------------------------------------- the allocator
@@ -179,28 +206,45 @@ def test_slot_mapping_and_fragmentation():
     assert f["used"] == 34 and f["contiguous"] == 192 and f["paged"] == 64
 
 
-# ---------------------------------------------------------------- ahead of time, sm_90a, head_dim 128
+# ---------------------------------------------------------------- ahead of time, sm_80 and sm_90a, head_dim 128
 
-def _job(group, page, block_s, D=128):
+AOT_ARCHS = ("sm80", "sm90")
+
+
+def _job(group, page, tiles=None, D=128):
     """The launch paged_decode_attention makes (8 K/V heads, a 4096-token window), on meta tensors."""
-    return paged.launch_job(8 * group, 8, D, page_size=page, block_s=block_s, window=4096)
+    return paged.launch_job(8 * group, 8, D, page_size=page, window=4096, tiles=tiles)
 
 
-AOT = {"group 4, page 16": (4, 16), "group 8, page 16": (8, 16), "group 8, page 32": (8, 32), "group 1, page 128": (1, 128)}
+AOT = {"group 4, page 16": (4, 16), "group 8, page 16": (8, 16), "group 8, page 128": (8, 128), "group 1, page 1": (1, 1)}
+OVERSIZED = DecodeTiles(block_g=64, block_s=128, block_d=128, num_warps=4, num_stages=3)   # the broken choice
 
 
 @pytest.fixture(scope="module")
-def sm90_builds():
-    jobs = [_job(g, p, min(p, paged.gpu_block_s(g, 128))) for g, p in AOT.values()]
-    jobs.append(_job(8, 32, 32))                      # the broken choice: the whole page as one tile
-    builds = ki.compile_triton_many(jobs, archs=("sm90",))
-    return [b["sm90"] for b in builds]
+def aot_builds():
+    jobs = [_job(g, p) for g, p in AOT.values()] + [_job(64, 16, OVERSIZED)]
+    return ki.compile_triton_many(jobs, archs=AOT_ARCHS), jobs
 
 
-def test_sm90_builds_at_real_shapes_do_not_spill(sm90_builds):
-    for label, build in zip(AOT, sm90_builds):
-        assert build.spills == 0 and build.metadata["stack_bytes"] == 0, f"{label} spills"
+def test_builds_at_real_shapes_run_on_tensor_cores_without_spills(aot_builds):
+    builds, _ = aot_builds
+    for label, build in zip(AOT, builds):
+        for arch in AOT_ARCHS:
+            b = build[arch]
+            assert b.spills == 0 and b.metadata["stack_bytes"] == 0, f"{label} {arch} spills"
+            assert b.families("sass")["HMMA"] > 0 and b.tensor_core == "HMMA", f"{label} {arch}: {b.tensor_core}"
 
 
-def test_sm90_spill_check_catches_a_whole_page_tile(sm90_builds):
-    assert sm90_builds[-1].spills > 0
+def test_spill_check_catches_an_oversized_tile(aot_builds):
+    builds, _ = aot_builds
+    for arch in AOT_ARCHS:
+        assert builds[-1][arch].spills > 0
+
+
+def test_ptx_uses_64bit_products_for_page_and_sequence_offsets(aot_builds):
+    """page * stride_p (a pool passes 2**31 elements), b * stride_b and hk * stride_h are 64-bit products."""
+    builds, jobs = aot_builds
+    runtime_args = [n for n, kind in jobs[0].signature.items() if kind != "constexpr"]
+    for arg in ("stride_kp", "stride_vp", "stride_kh", "stride_vh", "stride_tb", "stride_qb", "stride_ob"):
+        widths = ki.param_product_widths(builds[0]["sm90"], runtime_args.index(arg))
+        assert widths == {64}, f"{arg} enters products of widths {widths}"

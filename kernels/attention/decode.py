@@ -236,24 +236,6 @@ def _load_rows_q(q_ptr, b, heads, t, row_ok, stride_qb, stride_qh, stride_qt, st
 
 
 @triton.jit
-def _load_group_q(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D,
-                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The GROUP query heads hk*GROUP .. hk*GROUP+GROUP-1 of sequence b (one query each): (BLOCK_G, BLOCK_D)
-    in q's dtype, rows g >= GROUP (the padding up to the tensor-core tile) and columns d >= D zero."""
-    heads, t, row_ok = _tile_rows(hk, GROUP, 1, BLOCK_G, False)
-    return _load_rows_q(q_ptr, b, heads, t, row_ok, stride_qb, stride_qh, 0, stride_qd, D, BLOCK_D)
-
-
-@triton.jit
-def _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """:func:`_load_group_q` in fp32, pre-scaled by scale_log2: the form the paged kernel
-    (:mod:`kernels.attention.paged`), which reduces on CUDA cores, multiplies with."""
-    q = _load_group_q(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, BLOCK_G, BLOCK_D)
-    return q.to(tl.float32) * scale_log2
-
-
-@triton.jit
 def _causal_end(L, t, Q_LEN, lo, CAUSAL_SLACK: tl.constexpr):
     """Where new query t's keys end, counted from position lo: query t sits at position L - Q_LEN + t
     and sees keys 0 .. L - Q_LEN + t, so it sees position lo + i iff i < L - Q_LEN + 1 + t - lo.
@@ -557,20 +539,6 @@ def default_tiles(group: int, head_dim: int, block_s: int | None = None, *, caus
         t = gpu_tiles(group, head_dim, block_s or INTERPRETER_BLOCK_S)
         return DecodeTiles(t.block_g, t.block_s, t.block_d, 4, 1)
     return gpu_tiles(group, head_dim, block_s, causal=causal)
-
-
-# The paged kernel (kernels.attention.paged) still reduces the group on CUDA cores: its per-tile
-# product q[:, None, :] * k[None, :, :] holds group x BLOCK_S x D fp32 values over 128 threads, which
-# it keeps at 8192 (168 registers at group 4, BLOCK_S 16, D 128 on sm_90a). Its tile rule:
-GPU_PRODUCT_ELEMENTS = 8192
-
-
-def gpu_block_s(group: int, head_dim: int) -> int:
-    """The CUDA-core tile of :mod:`kernels.attention.paged`: the largest power of two with
-    next_pow2(group) * BLOCK_S * next_pow2(head_dim) <= GPU_PRODUCT_ELEMENTS, between 8 and 128."""
-    per_position = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim)
-    fits = max(1, GPU_PRODUCT_ELEMENTS // per_position)
-    return max(8, min(128, 1 << (fits.bit_length() - 1)))      # largest power of two <= fits
 
 
 def check_block_s(block_s, name: str) -> None:

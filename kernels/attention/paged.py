@@ -20,16 +20,26 @@ Shapes:
     seqlens      (B,) int32/int64         L_b, 0 <= L_b <= max_pages * P
     output       (B, Hq, D)               zeros where L_b = 0
 
-One program per (sequence, K/V head) packs the query heads of a GQA group and reduces on CUDA cores
-(tl.sum of elementwise products; the contiguous kernels.attention.decode uses tensor cores over
-64/128-position tiles), walking the sequence in tiles of BLOCK_S positions (BLOCK_S divides P, so a
-tile never straddles two pages: a choice of this kernel, FlashAttention 3 gathers rows of several pages
-into one tile):
-the tile's address is its physical page's, read from the table, plus its offset in the page, and
-the positions inside it are contiguous. With a window, tiles wholly before lo_b are never visited:
-the loop starts at tile lo_b // BLOCK_S. The design is vLLM's paged attention
-(vllm-project/vllm@cc17020a, csrc/attention/paged_attention_v1.cu: block_tables, one block per
-iteration); the code is written fresh.
+One program per (sequence, K/V head) puts the query heads of its GQA group on the rows of a tile
+padded to at least 16 (the M axis of the tensor cores' MMA), as the contiguous
+kernels.attention.decode does, and walks the sequence in tiles of BLOCK_S positions (64 at D = 128,
+decode.gpu_tiles) with the online softmax; both products, S = q K^T and acc += P V, are tl.dot.
+Each row of a K/V tile finds its own page through the table,
+
+    pos = t * BLOCK_S + s,    row s  ->  k_pages[block_table[b, pos // P], hk, pos % P, :]
+
+so a tile spans BLOCK_S / P pages when the page is smaller than the tile (16-position pages, vLLM's
+default, and 64-position tiles: four pages a tile), and lies inside one page otherwise: the tile
+size is the tensor cores' choice, not the page's. FlashAttention 3's paged path loads rows the same
+way when a page is smaller than its tile, and FlashInfer computes every row's address from its own
+page entry. fp16 and bf16 pages multiply on tensor cores (fp32 accumulation); fp32 pages multiply in
+full fp32 (input_precision "ieee", as decode does), which Triton lowers to FMAs on CUDA cores, since
+TF32 would round the keys to 10 mantissa bits.
+
+With a window, tiles wholly before lo_b are never visited: the loop starts at tile lo_b // BLOCK_S,
+and the positions of that first tile before lo_b are masked (neither their table entries nor their
+keys are loaded). The design follows vLLM's paged attention (vllm-project/vllm@cc17020a,
+csrc/attention/paged_attention_v1.cu: block_tables); the code is written fresh.
 """
 from __future__ import annotations
 
@@ -40,7 +50,8 @@ import triton
 import triton.language as tl
 
 from kernels import runtime
-from kernels.attention.decode import SUPPORTED_DTYPES, _load_group_queries, gpu_block_s
+from kernels.attention.decode import (MAX_GROUP, SUPPORTED_DTYPES, DecodeTiles, _load_rows_q, _precision, _tile_rows,
+                                      check_block_s, default_tiles, gpu_tiles)
 
 LOG2E = 1.4426950408889634
 
@@ -84,6 +95,14 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     return out.to(q.dtype)
 
 
+# The deliberately broken variants the tests must catch (paged_decode_attention's ``_broken``):
+#   "length-mask"        reads the last tile whole, past the sequence's length;
+#   "one-page-per-tile"  reads every row of a tile from the page of its first position (the bug of a
+#                        kernel that assumes a tile never crosses a page);
+#   "interleaved-heads"  puts query head g * Hkv + hk on row g instead of hk * GROUP + g.
+BROKEN = (None, "length-mask", "one-page-per-tile", "interleaved-heads")
+
+
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr,
@@ -93,50 +112,58 @@ def _paged_decode_kernel(
     stride_tb, stride_ob, stride_oh, stride_od,
     D, GROUP, WINDOW, scale_log2,
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, MASK_LENGTH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BROKEN: tl.constexpr,
 ):
-    """One program per (sequence b, K/V head hk); one tile of BLOCK_S positions (a page, or a part of
-    one: BLOCK_S divides PAGE) per iteration, its address from the page table."""
+    """One program per (sequence b, K/V head hk): the group's query heads on the BLOCK_G rows of both
+    MMAs, one tile of BLOCK_S positions per iteration, each row's address from its own page entry."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
-    L = tl.load(lens_ptr + b).to(tl.int32)                       # filled positions of sequence b
+    L = tl.load(lens_ptr + b).to(tl.int32)                      # filled positions of sequence b
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(L - WINDOW, 0)                          # lo = max(0, L - W)
-    q = _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2,
-                            BLOCK_G, BLOCK_D)                   # (BLOCK_G, BLOCK_D), pre-scaled
-    s = tl.arange(0, BLOCK_S)                                   # offsets inside a sub-tile of a page
+    # tile row g (the MMA's M axis, padded to >= 16): query head hk * GROUP + g, valid for g < GROUP
+    heads, t0, row_ok = _tile_rows(hk, GROUP, 1, BLOCK_G, False)
+    if BROKEN == "interleaved-heads":
+        heads = tl.arange(0, BLOCK_G) * tl.num_programs(1) + hk   # broken on purpose: head g * Hkv + hk
+    q = _load_rows_q(q_ptr, b, heads, t0, row_ok, stride_qb, stride_qh, 0, stride_qd, D, BLOCK_D)   # (BLOCK_G, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    s = tl.arange(0, BLOCK_S)                                   # rows of a K/V tile
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+    k_head = k_ptr + hk.to(tl.int64) * stride_kh
+    v_head = v_ptr + hk.to(tl.int64) * stride_vh
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)          # running max of the scores (log2 units)
+    l = tl.zeros((BLOCK_G,), tl.float32)                        # running sum of exp2(score - m)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)              # running sum of exp2(score - m) v
     for t in range(lo // BLOCK_S, tl.cdiv(L, BLOCK_S)):       # tiles of BLOCK_S positions covering [lo, L)
-        i = (t * BLOCK_S) // PAGE                               # logical page of this tile (BLOCK_S divides PAGE)
-        page = tl.load(table_ptr + b.to(tl.int64) * stride_tb + i).to(tl.int64)   # physical page id
-        first = t * BLOCK_S - i * PAGE                          # the tile's first slot inside that page
-        pos = t * BLOCK_S + s                                   # sequence positions of the tile
-        if MASK_LENGTH:
-            s_ok = (pos < L) & (pos >= lo)
+        pos = t * BLOCK_S + s                                   # (BLOCK_S,) sequence positions of the tile
+        in_seq = (pos < L) & (pos >= lo)                        # lo <= pos < L
+        if BROKEN == "one-page-per-tile":
+            page = tl.load(table_row + (t * BLOCK_S) // PAGE).to(tl.int64)   # broken on purpose: one page, all rows
         else:
-            s_ok = pos >= lo                                    # broken on purpose: reads the last tile whole
+            page = tl.load(table_row + pos // PAGE, mask=in_seq, other=0).to(tl.int64)   # (BLOCK_S,) each row's page
+        slot = pos % PAGE                                       # (BLOCK_S,) each row's place in its page
+        s_ok = in_seq
+        if BROKEN == "length-mask":
+            s_ok = pos >= lo                                    # broken on purpose: reads past L (page 0 there)
         kv_mask = s_ok[:, None] & d_ok[None, :]
-        k_off = page * stride_kp + hk.to(tl.int64) * stride_kh + (first + s)[:, None] * stride_ks   # int64
-        v_off = page * stride_vp + hk.to(tl.int64) * stride_vh + (first + s)[:, None] * stride_vs
-        k = tl.load(k_ptr + k_off + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
-        v = tl.load(v_ptr + v_off + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                  # (BLOCK_G, BLOCK_S), log2 units
+        k_rows = k_head + page * stride_kp + slot * stride_ks   # (BLOCK_S,) pointers; int64: a pool passes 2**31
+        v_rows = v_head + page * stride_vp + slot * stride_vs
+        k = tl.load(k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)   # (BLOCK_S, BLOCK_D)
+        v = tl.load(v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        # scores[g, j] = q[g] . k[j] / sqrt(D) in log2 units: (BLOCK_G, BLOCK_S), one MMA over the group
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))           # finite: every visited tile meets [lo, L)
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)                              # rescales what was summed under the old max
+        p = tl.exp2(scores - m_new[:, None])                    # (BLOCK_G, BLOCK_S)
         l = l * alpha + tl.sum(p, axis=1)                       # l' = alpha l + sum p
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)   # acc' = alpha acc + p v
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)   # acc' = alpha acc + P V
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]                # o = acc / l; empty sequence: 0
-    g = tl.arange(0, BLOCK_G)
-    offs = b.to(tl.int64) * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_ok[None, :])
+    offs = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window, name="paged_decode_attention"):
@@ -158,6 +185,9 @@ def check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window, name="
         raise ValueError(f"{name}: q has head dim {D} but k_pages has {Dk}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"{name}: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if Hq // Hkv > MAX_GROUP:
+        raise ValueError(f"{name}: Hq / Hkv = {Hq // Hkv} query heads per K/V head; one program serves at most "
+                         f"MAX_GROUP={MAX_GROUP} (the tensor-core tile's rows), larger groups are not implemented")
     if P < 1 or P & (P - 1):
         raise ValueError(f"{name}: page_size (k_pages.shape[2]) must be a power of two, got {P}")
     if q.dtype not in SUPPORTED_DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
@@ -182,13 +212,11 @@ def check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window, name="
         raise ValueError(f"{name}: window must be None or an int >= 1, got {window!r}")
 
 
-def default_block_s(group: int, head_dim: int, page_size: int) -> int:
-    """Positions per sub-tile: the whole page under the interpreter (fewer loop iterations); on a GPU
-    this CUDA-core kernel's tile (decode.gpu_block_s: a group x positions x head-dim product of at most
-    8192 fp32 values, no spills), capped by the page."""
-    if runtime.runtime().interpreted:
-        return page_size
-    return min(page_size, gpu_block_s(group, head_dim))
+def paged_tiles(group: int, head_dim: int, block_s: int | None = None) -> DecodeTiles:
+    """The launch's tiles: the contiguous decode kernel's (decode.default_tiles: the group padded to
+    >= 16 rows, 64 positions per tile at D = 128 on a GPU, 64 under the interpreter), whatever the
+    page size, since a tile gathers its rows from as many pages as it spans."""
+    return default_tiles(group, head_dim, block_s)
 
 
 def paged_grid(batch: int, kv_heads: int) -> tuple[int, int]:
@@ -198,41 +226,46 @@ def paged_grid(batch: int, kv_heads: int) -> tuple[int, int]:
 
 def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                            block_table: torch.Tensor, seqlens: torch.Tensor, *, window: int | None = None,
-                           block_s: int | None = None, mask_length: bool = True) -> torch.Tensor:
+                           block_s: int | None = None, _broken: str | None = None) -> torch.Tensor:
     """Decode attention over a paged cache (shapes in the module docstring); ``window`` W keeps the W
-    most recent positions; ``block_s`` (a power of two <= page_size) the sub-tile, default
-    :func:`default_block_s`. ``mask_length=False`` is a deliberately broken variant for the tests."""
+    most recent positions; ``block_s`` (a power of two >= 16, larger or smaller than the page) the
+    positions per tile, default :func:`paged_tiles`'. ``_broken`` (one of :data:`BROKEN`) launches a
+    deliberately wrong variant for the tests."""
+    if _broken not in BROKEN:
+        raise ValueError(f"paged_decode_attention: _broken must be one of {BROKEN}, got {_broken!r}")
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens, window)
-    if block_s is not None and (block_s < 1 or block_s & (block_s - 1) or block_s > k_pages.shape[2]):
-        raise ValueError(f"paged_decode_attention: block_s must be a power of two <= page_size, got {block_s!r}")
+    if block_s is not None:
+        check_block_s(block_s, "paged_decode_attention")
     B, Hq, D = q.shape
-    Hkv, P = k_pages.shape[1], k_pages.shape[2]
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     grid, args, kwargs = _paged_args(q, k_pages, v_pages, block_table.contiguous(), seqlens, out, window=window,
-                                     block_s=block_s or default_block_s(Hq // Hkv, D, P), mask_length=mask_length)
+                                     tiles=paged_tiles(Hq // k_pages.shape[1], D, block_s), broken=_broken)
     _paged_decode_kernel[grid](*args, **kwargs)
     return out
 
 
-def _paged_args(q, k_pages, v_pages, table, seqlens, out, *, window: int | None, block_s: int,
-                mask_length: bool = True):
-    """(grid, args, kwargs) of one launch of :func:`_paged_decode_kernel` (``table`` contiguous), shared
-    by :func:`paged_decode_attention` and :func:`launch_job` so the AOT build is the launch."""
+def _paged_args(q, k_pages, v_pages, table, seqlens, out, *, window: int | None, tiles: DecodeTiles | None = None,
+                broken: str | None = None):
+    """(grid, args, kwargs) of one launch of :func:`_paged_decode_kernel` (``table`` contiguous; ``tiles``
+    default :func:`paged_tiles`), shared by :func:`paged_decode_attention`, :func:`launch_job` and the
+    CUDA-graph runner so the AOT build is the launch."""
     B, Hq, D = q.shape
     Hkv, P = k_pages.shape[1], k_pages.shape[2]
+    tiles = tiles or paged_tiles(Hq // Hkv, D)
     args = (q, k_pages, v_pages, table, seqlens, out,
             *q.stride(), *k_pages.stride(), *v_pages.stride(), table.stride(0), *out.stride(),
             D, Hq // Hkv, window or 0, LOG2E / math.sqrt(D))
-    kwargs = dict(PAGE=P, BLOCK_S=block_s, BLOCK_G=triton.next_power_of_2(Hq // Hkv), BLOCK_D=triton.next_power_of_2(D),
-                  HAS_WINDOW=window is not None, MASK_LENGTH=mask_length)
+    kwargs = dict(PAGE=P, BLOCK_S=tiles.block_s, BLOCK_G=tiles.block_g, BLOCK_D=tiles.block_d,
+                  DOT_PRECISION=_precision(q.dtype), HAS_WINDOW=window is not None, BROKEN=broken,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return paged_grid(B, Hkv), args, kwargs
 
 
 # ----------------------------------------------------------------------------------------------
 # Compile jobs at real models' sizes: fp16 pages of 16 positions (vLLM's default), batch 32, an 8k
-# context per sequence, the tile a GPU launch picks (min(page, decode.gpu_block_s))
+# context per sequence, the tiles a GPU launch picks (decode.gpu_tiles: 64 positions, four pages, at D = 128)
 
 # (label, query heads, K/V heads, head dim, sliding window)
 REAL_CONFIGS = (
@@ -243,10 +276,11 @@ REAL_CONFIGS = (
 
 
 def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 32, context: int = 8192, page_size: int = 16,
-               window: int | None = None, block_s: int | None = None, dtype=torch.float16, target: str = "sm90"):
+               window: int | None = None, tiles: DecodeTiles | None = None, dtype=torch.float16,
+               target: str = "sm90"):
     """The job of the GPU launch :func:`paged_decode_attention` makes for ``batch`` sequences of
     ``context`` positions each, on meta tensors: a pool of exactly their pages, an int32 page table
-    and int32 lengths. ``block_s`` defaults to a GPU's choice, ``min(page_size, gpu_block_s(group, D))``."""
+    and int32 lengths. ``tiles`` defaults to a GPU's choice, ``decode.gpu_tiles(group, D)``."""
     from kernels import inspect as ki
 
     pages = -(-context // page_size)
@@ -255,8 +289,8 @@ def launch_job(hq: int, hkv: int, head_dim: int, *, batch: int = 32, context: in
     table = torch.empty(batch, pages, dtype=torch.int32, device="meta")
     lens = torch.empty(batch, dtype=torch.int32, device="meta")
     out = torch.empty(batch, hq, head_dim, dtype=dtype, device="meta")
-    block_s = block_s or min(page_size, gpu_block_s(hq // hkv, head_dim))
-    grid, args, kwargs = _paged_args(q, kv, kv, table, lens, out, window=window, block_s=block_s)
+    grid, args, kwargs = _paged_args(q, kv, kv, table, lens, out, window=window,
+                                     tiles=tiles or gpu_tiles(hq // hkv, head_dim))
     return ki.launch_job(_paged_decode_kernel, *args, target=target, grid=grid, **kwargs)
 
 
@@ -264,6 +298,6 @@ def compile_jobs() -> dict:
     """At :data:`REAL_CONFIGS` (D=128), batch 32, 8k positions each in 16-position pages: the launch on a GPU."""
     jobs = {}
     for label, hq, hkv, d, window in REAL_CONFIGS:
-        block_s = min(16, gpu_block_s(hq // hkv, d))
-        jobs[f"{label}, group {hq // hkv}, BLOCK_S {block_s}"] = launch_job(hq, hkv, d, window=window)
+        tiles = gpu_tiles(hq // hkv, d)
+        jobs[f"{label}, group {hq // hkv}, BLOCK_S {tiles.block_s}"] = launch_job(hq, hkv, d, window=window)
     return jobs

@@ -5,8 +5,8 @@ Four questions about the memory a paged KV cache is made of, on top of the servi
 
 * **Page size.** A sequence of L positions holds ceil(L / P) pages of P positions, so it wastes the
   unfilled tail of its last page (internal fragmentation, < P positions); a smaller page wastes less
-  but costs a longer block table (one int32 per page) and gives the attention kernel a smaller tile:
-  the paged kernel (kernels.attention.paged) walks one page, or a part of one, per loop iteration.
+  but costs a longer block table (one int32 per page), and a kernel whose tile must stay inside one
+  page a smaller tile (kernels.attention.paged gathers a tile's rows from several pages instead).
   :func:`page_size_costs` measures the three on a list of lengths.
 * **Sharing and copy-on-write.** :class:`PagedSequences` keeps a block table per sequence; ``fork``
   shares every page of a parent (parallel sampling, beam search: Kwon et al. 2023, section 4.4),
@@ -58,9 +58,9 @@ def page_size_costs(lengths, page_sizes, *, kv_bytes_per_token: int, kernel_tile
                     table_entry_bytes: int = 4) -> list[dict]:
     """For each page size P, on sequences of ``lengths``: the wasted fraction of the reserved KV
     (internal fragmentation, 1 - sum L / sum ceil(L/P) P), the block-table bytes per used position
-    (``table_entry_bytes`` per page), the table's share of the KV bytes, and the kernel's tile: it
-    walks min(P, kernel_tile) positions per iteration, so ``tile_fill`` = min(P, tile) / tile and
-    ``iterations`` = sum ceil(L / min(P, tile))."""
+    (``table_entry_bytes`` per page), the table's share of the KV bytes, and the tile of a kernel
+    whose tile stays inside one page: it walks min(P, kernel_tile) positions per iteration, so
+    ``tile_fill`` = min(P, tile) / tile and ``iterations`` = sum ceil(L / min(P, tile))."""
     lengths = [int(L) for L in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("page_size_costs: lengths must be a non-empty list of positive ints")

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.decode import _load_group_queries, gpu_block_s
+from kernels.attention.decode import _load_rows_q, _tile_rows
 from kernels import runtime
 from kernels.attention.paged import LOG2E, check_paged_inputs, gather_pages
 from kernels.kvcache.eviction import _finish, _qkv
@@ -347,6 +347,16 @@ def _dequant_tile(c_ptr, s_ptr, z_ptr, page, hk, slot, d, mask,
 
 
 @triton.jit
+def _load_group_queries(q_ptr, b, hk, stride_qb, stride_qh, stride_qd, GROUP, D, scale_log2,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The GROUP query heads of K/V head hk (one query each) in fp32, pre-scaled by scale_log2: (BLOCK_G,
+    BLOCK_D), rows g >= GROUP and columns d >= D zero (decode's tile rows, decode._tile_rows)."""
+    heads, t, row_ok = _tile_rows(hk, GROUP, 1, BLOCK_G, False)
+    q = _load_rows_q(q_ptr, b, heads, t, row_ok, stride_qb, stride_qh, 0, stride_qd, D, BLOCK_D)
+    return q.to(tl.float32) * scale_log2
+
+
+@triton.jit
 def _online_update(q, k, v, ok, m, l, acc, DOT: tl.constexpr):
     """One tile of the online softmax: scores (BLOCK_G, n) in log2 units; m, l, acc rescaled. DOT: both
     products on tensor cores (the dequantized tiles cast to fp16, fp32 accumulation; BLOCK_G and the
@@ -421,9 +431,22 @@ def _quant_paged_decode_kernel(
 
 BROKEN = (None, "scale-per-head", "no-zero-point")
 
+# The CUDA-core path's tile: its per-tile product q[:, None, :] * k[None, :, :] holds group x BLOCK_S x D
+# fp32 values over 128 threads; the float paged kernel kept that at 8192 when it reduced on CUDA cores
+# (168 registers at group 4, BLOCK_S 16, D 128 on sm_90a), and this kernel halves it (below).
+GPU_PRODUCT_ELEMENTS = 8192
+
+
+def gpu_block_s(group: int, head_dim: int) -> int:
+    """The largest power of two BLOCK_S with next_pow2(group) * BLOCK_S * next_pow2(head_dim) <=
+    GPU_PRODUCT_ELEMENTS, between 8 and 128."""
+    per_position = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim)
+    fits = max(1, GPU_PRODUCT_ELEMENTS // per_position)
+    return max(8, min(128, 1 << (fits.bit_length() - 1)))      # largest power of two <= fits
+
 
 def gpu_block_s_quant(group: int, head_dim: int, page_size: int) -> int:
-    """The GPU tile: half the float paged kernel's (decode.gpu_block_s), since the codes, the scales
+    """The GPU tile of the CUDA-core path: half of :func:`gpu_block_s`, since the codes, the scales
     and the dequantized K and V tiles need registers of their own (at Llama-3-8B's shape BLOCK_S = 16
     takes 255 registers per thread, the ceiling; 8 takes about half: tests/test_kv_quantization.py), capped by
     the page."""

@@ -46,7 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import inspect as ki
-from kernels.attention.paged import _paged_args, _paged_decode_kernel, default_block_s
+from kernels.attention.paged import _paged_args, _paged_decode_kernel
 from kernels.model.gpt import GPT, add_rms_norm_torch, rms_norm_torch, rope
 from kernels.serving.engine import Engine, EngineConfig, PagedRunner
 from kernels.serving.kv_cache import PagedKVCache
@@ -206,11 +206,8 @@ def static_decode_attention_kernel(q: torch.Tensor, k_pages: torch.Tensor, v_pag
     copied in). The grid
     (S, Hkv) is fixed by the shapes; each program's loop over its own length is read on the device,
     which a graph allows: work that depends on data inside a kernel, not shapes on the host."""
-    S, Hq, D = q.shape
-    Hkv, P = k_pages.shape[1], k_pages.shape[2]
-    out = torch.empty_like(q)
-    grid, args, kwargs = _paged_args(q, k_pages, v_pages, table, lens, out, window=None,
-                                     block_s=default_block_s(Hq // Hkv, D, P))
+    out = torch.empty_like(q)                                            # (S, Hq, D)
+    grid, args, kwargs = _paged_args(q, k_pages, v_pages, table, lens, out, window=None)   # the launcher's tiles
     _paged_decode_kernel[grid](*args, **kwargs)
     return out
 
