@@ -32,6 +32,25 @@ def _counted(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
 
 
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+_warm = False
+
+
+def _warm_up() -> None:
+    """Run one operation under a dispatch mode. Its first use imports a good part of torch._dynamo:
+    inside a probe, those new objects would make every cycle collection slow (a tenth of a second
+    each, hundreds of times), since only the objects that existed at ``__enter__`` are frozen."""
+    global _warm
+    if not _warm:
+        with _PassThrough():
+            torch.zeros(1) + 1
+        _warm = True
+
+
 def _storages(args, kwargs) -> set[int]:
     """Addresses of the storages of every tensor among an operation's arguments."""
     return {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {})) if _counted(t)}
@@ -104,6 +123,7 @@ class TensorPeak:
             self._at_peak = list(self._live.values())
 
     def __enter__(self):
+        _warm_up()
         gc.collect()
         gc.freeze()
         for t in self._track:
