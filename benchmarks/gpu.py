@@ -135,6 +135,14 @@ class Ctx:
         self.rows.append(row)
         return row
 
+    def measured(self, case: str, impl: str, ms: float, *, baseline: bool = False, timer: str, **config) -> dict:
+        """Record a row timed by something else than :meth:`time` (a program's own clock): ``ms`` is its
+        mean, and ``timer`` says what measured it; there are no quantiles."""
+        row = {"case": case, "impl": impl, "baseline": baseline, **config, "ms": ms, "ms_p20": ms, "ms_p80": ms,
+               "bytes": 0.0, "flops": 0.0, "gbs": 0.0, "tflops": 0.0, "timer": timer}
+        self.rows.append(row)
+        return row
+
     def peak_memory(self, fn) -> int | None:
         """Bytes allocated at the peak of one call of ``fn`` beyond what was allocated before (GPU only)."""
         if not self.real:
@@ -666,6 +674,44 @@ def step_cuda_graphs(ctx: Ctx) -> None:
     ctx.row(size, "CUDA graph replay" if ctx.real else "eager static step (rehearsal)", graph.replay)
 
 
+CHAIN_LENGTHS = (16, 64, 256)
+
+
+def step_graph_chain(ctx: Ctx) -> None:
+    """kernels/cuda/graph_chain.cu, built for this GPU: chains of N tiny kernels launched one by one and
+    as one captured CUDA graph, the program's own host clock (mean over 200 chains), same bits checked. In
+    the rehearsal the program is built and linked for sm90 (it cannot run without a GPU) and a chain of N
+    in-place torch ops on the CPU stands in for its rows."""
+    from kernels.serving.cuda_graphs import build_chain_program, parse_chain_line, run_chain_program
+
+    cap = torch.cuda.get_device_capability() if ctx.real else (9, 0)
+    exe = build_chain_program(arch=f"sm{cap[0]}{cap[1]}")
+    for n in CHAIN_LENGTHS:
+        case = f"chain of {n} kernels, x <- a x + b on 256 floats"
+        if ctx.real:
+            res = run_chain_program(exe, kernels=n, reps=200)
+            ctx.check("graph chain", case, lambda res=res, n=n: _chain_ok(res, n))
+            timer = "graph_chain's host clock around a stream synchronize, mean of 200 chains"
+            eager_us, graph_us = res["eager_us_per_chain"], res["graph_us_per_chain"]
+        else:
+            res = parse_chain_line(f"kernels {n} nodes {n} reps 1 eager_us_per_chain 0 graph_us_per_chain 0 same 1")
+            ctx.check("graph chain (built, not run)", case, lambda res=res, n=n: _chain_ok(res, n))
+            x = torch.zeros(256)
+            start = time.perf_counter()
+            for k in range(n):
+                x.mul_(1.0 - 1e-3 * (k % 7)).add_(1e-2 * (k % 5))
+            eager_us = graph_us = (time.perf_counter() - start) * 1e6
+            timer = "REHEARSAL: wall clock of n CPU torch ops, not the program"
+        rows = (("eager launches", eager_us, True), ("one CUDA graph launch", graph_us, False))
+        for impl, us, base in rows:
+            ctx.measured(case, impl, us / 1e3, baseline=base, timer=timer, kernels=n, us_per_kernel=us / n)
+
+
+def _chain_ok(res: dict, n: int) -> None:
+    assert res["same"] == 1, "the graph's result differs from the eager chain's"
+    assert res["nodes"] == n and res["kernels"] == n, f"expected {n} nodes, got {res['nodes']}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # The native test pass.
 
@@ -801,6 +847,8 @@ STEPS = (
     Step("adamw", "optimizer", "2**28 params timed; one step past 2**31 checked", 1, 2, step_adamw, 10.0),
     Step("sampling", "sampling", "64 x 128256 sampler; verify gamma 4", 2, 3, step_sampling, 6.0),
     Step("cuda graphs", "cuda_graphs", "tiny GPT decode step, batch 8", 0, 2, step_cuda_graphs, 5.0),
+    Step("graph chain", "cuda_graphs", "graph_chain.cu: 16, 64, 256 kernels eager vs one graph, 200 chains each",
+         0, 6, step_graph_chain, 12.0),
 )
 
 

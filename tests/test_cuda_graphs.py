@@ -14,9 +14,11 @@ from kernels.attention.paged import check_paged_inputs, paged_decode_attention_r
 from kernels.model.data import encode
 from kernels.model.gpt import GPT, GPTConfig, load_pretrained
 from kernels.serving.cuda_graphs import (BatchTooLargeError, DecodeBuffers, GraphedDecodeRunner, GraphedEngine,
-                                         bucket_for, build_chain_program, capture_sizes, count_ops, decode_step,
-                                         eager_step_time, engine_decode_ops, graphed_step_time, launches_per_step,
-                                         run_chain_program, static_decode_attention, static_decode_attention_kernel)
+                                         bucket_for, build_chain_program, capture_seconds, capture_sizes, count_ops,
+                                         decode_step, eager_step_time, engine_decode_ops, graphed_step_time,
+                                         launches_per_step, parse_chain_line, run_chain_program,
+                                         scheduled_step_time, static_decode_attention,
+                                         static_decode_attention_kernel)
 from kernels.serving.engine import Engine, EngineConfig, PagedRunner
 from kernels.serving.kv_cache import PagedKVCache
 
@@ -289,9 +291,27 @@ def test_cost_model():
     for bad in ({"view_s": -1e-6}, {"node_s": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             eager_step_time(10, 1e-6, 1e-3, **bad)
+    # scheduling: in order it adds to the step; overlapped it hides only behind a GPU longer than the host
+    assert scheduled_step_time(2e-3, 5e-6, 8e-3, overlap=False) == pytest.approx(10e-3)
+    assert scheduled_step_time(2e-3, 5e-6, 8e-3, overlap=True) == pytest.approx(8e-3)       # graphed: hidden
+    assert scheduled_step_time(2e-3, 70e-3, 8e-3, overlap=True) == pytest.approx(72e-3)     # launch bound: not
+    assert scheduled_step_time(2e-3, 70e-3, 8e-3, overlap=False) == pytest.approx(72e-3)
+    # 51 sizes, one warm-up and one capture each, 100 launches at 10 us: 0.102 s, twice for two graph sets
+    assert capture_seconds(51, 100, 10e-6) == pytest.approx(0.102)
+    assert capture_seconds(51, 100, 10e-6, warmups=0, graph_sets=2) == pytest.approx(0.102)
+    with pytest.raises(ValueError, match="sched_s"):
+        scheduled_step_time(-1.0, 0.0, 0.0, overlap=True)
 
 
 # ---------------------------------------------------------------- the CUDA C++ chain
+
+def test_chain_output_is_parsed_and_a_partial_line_refused():
+    line = "kernels 64 nodes 64 reps 50 eager_us_per_chain 180.250 graph_us_per_chain 40.125 same 1\n"
+    assert parse_chain_line(line) == {"kernels": 64, "nodes": 64, "reps": 50, "eager_us_per_chain": 180.25,
+                                      "graph_us_per_chain": 40.125, "same": 1}
+    with pytest.raises(ValueError, match="graph_us_per_chain, same"):
+        parse_chain_line("kernels 64 nodes 64 reps 50 eager_us_per_chain 180.250")
+
 
 def test_chain_program_compiles_for_sm90_and_links(tmp_path):
     build = ki.compile_cuda("graph_chain", arch="sm90")

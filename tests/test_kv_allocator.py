@@ -233,6 +233,45 @@ def test_page_size_costs_trade_waste_for_table_and_tile():
         A.page_size_costs(lengths, [0], kv_bytes_per_token=1, kernel_tile=1)
 
 
+
+def test_request_length_pmf_is_the_convolution_of_two_geometrics():
+    n, p = A.request_length_pmf(3.0, 7.5)
+    assert abs(float(p.sum()) - 1) < 1e-12 and abs(float((n * p).sum()) - 10.5) < 1e-9     # E[I + O]
+    geo = lambda mean, k: (1 / mean) * (1 - 1 / mean) ** (k - 1)                             # P(X = k), k >= 1
+    for length in (2, 3, 9, 40):
+        direct = sum(geo(3.0, i) * geo(7.5, length - i) for i in range(1, length))
+        assert abs(float(p[n == length]) - direct) < 1e-15
+    n2, p2 = A.request_length_pmf(5.0, 5.0)                                                 # the equal-means form
+    assert abs(float((n2 * p2).sum()) - 10) < 1e-9
+    assert abs(float(p2[n2 == 4]) - sum(geo(5.0, i) * geo(5.0, 4 - i) for i in range(1, 4))) < 1e-15
+    for bad in ({"mean_prompt": 0.5, "mean_output": 3}, {"mean_prompt": 3, "mean_output": float("nan")}):
+        with pytest.raises(ValueError, match="must be a number >= 1"):
+            A.request_length_pmf(**bad)
+
+
+def test_expected_page_waste_matches_the_list_measure_and_the_geometric_closed_form():
+    lengths = [1, 5, 16, 17, 100, 333, 5]
+    values, counts = torch.tensor(lengths).unique(return_counts=True)
+    for P in (1, 3, 16, 64):
+        by_list = A.page_size_costs(lengths, [P], kv_bytes_per_token=1, kernel_tile=1)[0]["waste"]
+        assert abs(A.expected_page_waste(values, counts / len(lengths), P) - by_list) < 1e-12
+    # one geometric length of mean m: ceil(L / P) is geometric with parameter 1 - q^P, so
+    # E[P ceil(L / P)] = P / (1 - q^P) and the waste is 1 - (1 - q^P) / (P (1 - q))
+    m, q = 40.0, 1 - 1 / 40.0
+    k = torch.arange(1, 3000)
+    pk = (1 - q) * q ** (k - 1).double()
+    for P in (1, 16, 64):
+        assert abs(A.expected_page_waste(k, pk, P) - (1 - (1 - q ** P) / (P * (1 - q)))) < 1e-9
+
+    def floor_waste(lengths, probs, P):                     # broken: pages rounded down, as if a tail were free
+        L = lengths.double()
+        return float(1 - (probs * L).sum() / (probs * P * torch.clamp(torch.floor(L / P), min=1)).sum())
+    assert abs(floor_waste(k, pk, 16) - (1 - (1 - q ** 16) / (16 * (1 - q)))) > 0.1
+    with pytest.raises(ValueError, match="page_size"):
+        A.expected_page_waste(k, pk, 0)
+    with pytest.raises(ValueError, match="matching"):
+        A.expected_page_waste(k, pk[:-1], 16)
+
 def test_cross_layer_sharing_bytes():
     assert A.cache_planes(6, "cla", 2) == [0, 0, 1, 1, 2, 2]
     assert A.cache_planes(6, "yoco") == [0, 1, 2, 3, 3, 3]

@@ -13,7 +13,8 @@ from kernels.model.lm_head import (
     _ce_rows, aot_job, chunk_rows, cross_entropy, cross_entropy_ref, fused_linear_cross_entropy,
     fused_linear_cross_entropy_ref, launch_config,
 )
-from kernels.model.lm_head_memory import TensorPeak, tensor_peak_bytes
+from kernels.tensor_memory import TensorPeak
+from kernels.model.lm_head_memory import tensor_peak_bytes
 from kernels.testing import MismatchError, assert_close, nan_canary
 
 DTYPES = runtime.runtime().check_dtypes

@@ -7,7 +7,10 @@ Four questions about the memory a paged KV cache is made of, on top of the servi
   unfilled tail of its last page (internal fragmentation, < P positions); a smaller page wastes less
   but costs a longer block table (one int32 per page), and a kernel whose tile must stay inside one
   page a smaller tile (kernels.attention.paged gathers a tile's rows from several pages instead).
-  :func:`page_size_costs` measures the three on a list of lengths.
+  :func:`page_size_costs` measures the three on a list of lengths; :func:`expected_page_waste` gives
+  the waste for a length distribution, such as :func:`request_length_pmf`, the lengths of requests
+  whose prompt and output lengths are geometric with given means (a stand-in fitted to published
+  means when the trace itself is not at hand).
 * **Sharing and copy-on-write.** :class:`PagedSequences` keeps a block table per sequence; ``fork``
   shares every page of a parent (parallel sampling, beam search: Kwon et al. 2023, section 4.4),
   one more reference each; a sequence about to write into a page that another table also holds
@@ -41,6 +44,8 @@ copies only the first tile of each page: both broken on purpose.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +53,7 @@ import triton.language as tl
 from kernels.serving.allocator import BlockAllocator, OutOfPages, fragmentation
 
 __all__ = ["BlockAllocator", "OutOfPages", "PagedSequences", "HybridAllocator", "page_size_costs",
+           "request_length_pmf", "expected_page_waste",
            "window_pages_bound", "vllm_layer_groups", "hybrid_kv_bytes", "cache_planes",
            "kv_bytes_per_token_shared", "copy_pages", "copy_pages_ref"]
 
@@ -76,6 +82,46 @@ def page_size_costs(lengths, page_sizes, *, kv_bytes_per_token: int, kernel_tile
                      "table_share": pages * table_entry_bytes / (f["paged"] * kv_bytes_per_token),
                      "tile_fill": step / kernel_tile, "iterations": sum(-(-L // step) for L in lengths)})
     return rows
+
+
+
+def request_length_pmf(mean_prompt: float, mean_output: float, *, tail: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lengths n and probabilities P(L = n) of L = I + O, I and O independent geometric on {1, 2, ...}
+    with means ``mean_prompt`` and ``mean_output`` (float64; n from 2 up to where the tail beyond is
+    below ``tail``). Given only a mean, the geometric is the largest-entropy distribution on the
+    positive integers. With q = 1 - 1/mean and p = 1 - q for each,
+
+        P(L = n) = p_I p_O (q_I^(n-1) - q_O^(n-1)) / (q_I - q_O),   n >= 2   (q_I != q_O)
+        P(L = n) = (n - 1) p^2 q^(n-2)                                      (q_I = q_O = q)
+    """
+    for name, m in (("mean_prompt", mean_prompt), ("mean_output", mean_output)):
+        if not m >= 1:
+            raise ValueError(f"request_length_pmf: {name} must be a number >= 1, got {m!r}")
+    if not 0 < tail < 1e-3:
+        raise ValueError(f"request_length_pmf: tail must be in (0, 1e-3), got {tail!r}")
+    q_i, q_o = 1 - 1 / mean_prompt, 1 - 1 / mean_output
+    q = max(q_i, q_o)
+    # L > N needs I > N/2 or O > N/2, each of probability q^(N/2) at most: N = 2 log(tail/2) / log q
+    last = 2 if q == 0 else max(2, 2 * math.ceil(math.log(tail / 2) / math.log(q)))
+    n = torch.arange(2, last + 1, dtype=torch.float64)                          # (N,)
+    if q_i == q_o:
+        probs = (n - 1) * (1 - q) ** 2 * q ** (n - 2)
+    else:
+        probs = (1 - q_i) * (1 - q_o) * (q_i ** (n - 1) - q_o ** (n - 1)) / (q_i - q_o)
+    return n.long(), probs
+
+
+def expected_page_waste(lengths: torch.Tensor, probs: torch.Tensor, page_size: int) -> float:
+    """The wasted fraction of the reserved KV for lengths drawn with probabilities ``probs``:
+    1 - E[L] / E[P ceil(L / P)], the expectation of the ratio :func:`page_size_costs` measures on a
+    list (a list of lengths is the distribution that gives each of them weight 1 / count)."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"expected_page_waste: page_size must be an int >= 1, got {page_size!r}")
+    if lengths.shape != probs.shape or lengths.ndim != 1 or lengths.numel() == 0 or int(lengths.min()) < 1:
+        raise ValueError("expected_page_waste: lengths and probs must be matching non-empty 1-D tensors, lengths >= 1")
+    L, p = lengths.to(torch.float64), probs.to(torch.float64)
+    reserved = page_size * torch.ceil(L / page_size)                            # P ceil(L / P) positions held
+    return float(1 - (p * L).sum() / (p * reserved).sum())
 
 
 # ---------------------------------------------------------------- sharing: fork and copy-on-write

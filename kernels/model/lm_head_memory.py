@@ -1,6 +1,6 @@
 """Peak memory of the LM-head loss, fused (chunked) against unfused, measured two ways.
 
-:func:`tensor_peak_bytes` counts the bytes of PyTorch tensors alive (:class:`TensorPeak`): exact,
+:func:`tensor_peak_bytes` counts the bytes of PyTorch tensors alive (:class:`kernels.tensor_memory.TensorPeak`): exact,
 deterministic, blind to memory that is not a tensor; it runs on the kernels' device.
 :func:`peak_extra_bytes` measures the process's resident memory, each case in its own process: it
 sees everything, coarsely, and only on the CPU (with a GPU it raises: the tensors are not in it).
@@ -27,97 +27,6 @@ import subprocess
 import sys
 
 
-def _storages(args, kwargs) -> set[int]:
-    """Addresses of the storages of every tensor among an operation's arguments."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    return {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {}))
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"}
-
-
-class TensorPeak:
-    """Peak bytes of PyTorch tensor storage created inside a ``with`` block, forward and backward.
-
-    A dispatch mode sees the output of every PyTorch operation (autograd's backward included). An
-    output whose storage is one of the operation's inputs' (a view, an in-place result) is not new
-    memory, so tensors that existed before the block are never counted, even through their views;
-    each new storage is tracked through a weak reference to the C++ storage, so it counts for as long as
-    anything (a view, a tensor saved for backward, a gradient) keeps it alive, not just the Python
-    object that first held it. After every operation the live total is compared with the peak
-    (and recorded in ``timeline``).
-    Memory that is not a PyTorch tensor (the Triton interpreter's NumPy temporaries, one block of a
-    row at a time) is not counted. Deterministic, and exact at the level of storages.
-
-        with TensorPeak() as probe:
-            loss = f(x); loss.backward()
-        probe.peak_bytes
-    """
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        probe = self
-        self.peak_bytes = 0
-        self.timeline: list[int] = []     # live bytes after each operation, in order
-        self._live: dict[int, tuple[object, int]] = {}
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                probe._observe(out, _storages(args, kwargs))
-                return out
-
-        self._mode = _Mode()
-
-    def _observe(self, out, inputs: set[int]) -> None:
-        import gc
-
-        import torch
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        stack, grew = [out], False
-        while stack:
-            item = stack.pop()
-            if isinstance(item, (list, tuple)):
-                stack.extend(item)
-            elif isinstance(item, torch.Tensor) and item.layout == torch.strided and item.device.type != "meta":
-                storage = item.untyped_storage()
-                key = storage.data_ptr()
-                if key in inputs:   # a view or an in-place result: memory the block made earlier, or an input's
-                    continue
-                # an address may be reused (allocators do): a dead entry there is a new storage
-                if key and (key not in self._live or self._live[key][0].expired()):
-                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    grew = True
-        if grew:
-            # Alive means reachable: storage held only by garbage cycles does not count. Triton's
-            # interpreter leaves one per launch (a closure that refers to itself keeps the arguments'
-            # storages until the cycle collector runs); collecting frees them as a GPU launch would.
-            # Only an operation that made new memory can raise the peak, so only then is it worth the
-            # cost; the objects that existed before the block are frozen (``__enter__``) and not scanned.
-            gc.collect()
-        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
-        self.timeline.append(sum(n for _, n in self._live.values()))
-        self.peak_bytes = max(self.peak_bytes, self.timeline[-1])
-
-    def __enter__(self):
-        import gc
-
-        gc.collect()
-        gc.freeze()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        import gc
-
-        try:
-            return self._mode.__exit__(*exc)
-        finally:
-            gc.unfreeze()
-
-
 KINDS = {
     "unfused": "logits = H W^T, then PyTorch's cross-entropy",
     "kernel": "logits = H W^T, then cross_entropy (gradient in its own buffer)",
@@ -139,7 +48,7 @@ def _loss(kind: str, h, w, t, chunk):
 def tensor_peak_bytes(N: int, C: int, V: int, chunk: int | None = None,
                       kinds=("unfused", "fused")) -> dict[str, dict]:
     """Peak bytes of the tensors each loss (see :data:`KINDS`) creates over one forward and backward,
-    in this process, with :class:`TensorPeak`; the inputs H (N, C), W (V, C) and their storage are not
+    in this process, with :class:`kernels.tensor_memory.TensorPeak`; the inputs H (N, C), W (V, C) and their storage are not
     counted. Per kind: its loss, ``peak_bytes`` and ``timeline`` (live bytes after each operation).
     ``chunk`` None lets the fused loss choose (:func:`kernels.model.lm_head.chunk_rows`). The tensors
     live on the kernels' device (``kernels.runtime.device()``); the inputs are drawn on the CPU, so
@@ -148,6 +57,7 @@ def tensor_peak_bytes(N: int, C: int, V: int, chunk: int | None = None,
     import torch
 
     from kernels import runtime
+    from kernels.tensor_memory import TensorPeak
 
     for kind in kinds:
         if kind not in KINDS:

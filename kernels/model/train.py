@@ -62,6 +62,26 @@ def param_groups(model: GPT, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, clip: float = 1.0,
+               mark=None) -> torch.Tensor:
+    """One step of the recipe on the batch x, y (B, T): forward and loss, the previous step's gradients
+    dropped, backward, gradients clipped to norm ``clip``, the optimizer's update. Returns the loss
+    (detached). ``mark(label)``, if given, is called at the end of each phase ("forward", "backward",
+    "clip", "optimizer"): how a memory probe splits the step."""
+    mark = mark or (lambda label: None)
+    logits = model(x)                                             # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())     # targets shifted by one
+    mark("forward")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    mark("backward")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    mark("clip")
+    opt.step()
+    mark("optimizer")
+    return loss.detach()
+
+
 @torch.no_grad()
 def evaluate(model: GPT, x: torch.Tensor, y: torch.Tensor, batch: int = 16) -> float:
     """Mean next-token cross-entropy (nats per byte) over the windows x, y (N, T)."""
@@ -109,13 +129,7 @@ def run(*, steps: int, batch_size: int, max_lr: float, min_lr: float, warmup: in
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = data.get_batch(train_tokens, batch_size, config.block_size, gen)
-        logits = model(x)                                             # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())     # targets shifted by one
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_value = loss.detach().item()
+        loss_value = train_step(model, opt, x, y).item()
         row = {"step": step, "tokens": step * batch_size * config.block_size,
                "train_loss": round(loss_value, 5), "val_loss": "", "lr": lr,
                "elapsed_s": round(time.perf_counter() - start, 2)}

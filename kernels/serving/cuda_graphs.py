@@ -30,7 +30,9 @@ graphed step runs there (capture needs a runner whose model and cache are on the
 :func:`count_ops` counts what a function dispatches (compute kernels, host-to-device tensor
 creations, device-to-host syncs, views that launch nothing) with a ``TorchDispatchMode``, and
 :func:`eager_step_time` / :func:`graphed_step_time` model what the launches cost on a GPU from a
-per-launch cost the caller supplies (not measured here: no GPU).
+per-launch cost the caller supplies (not measured here: no GPU); :func:`scheduled_step_time` adds
+the host's scheduling, in order or overlapped with the GPU (asynchronous scheduling), and
+:func:`capture_seconds` the start-up time of capturing every size.
 """
 from __future__ import annotations
 
@@ -446,6 +448,25 @@ def graphed_step_time(graph_launch_s: float, gpu_s: float, *, launches: int = 0,
     return max(graph_launch_s, gpu_s + launches * node_s)
 
 
+def scheduled_step_time(sched_s: float, host_s: float, device_s: float, *, overlap: bool) -> float:
+    """A step whose host first schedules it and prepares its inputs (``sched_s``), then issues its
+    launches (``host_s``: n t_launch eager, one graph launch graphed), while the GPU takes ``device_s``.
+    In order (the scheduler waits for the step's outputs): t = sched + max(host, device). Overlapped
+    (asynchronous scheduling: the next step is scheduled while the GPU runs this one):
+    t = max(sched + host, device), so the scheduling hides behind the GPU only where the host's whole
+    work is shorter than the GPU's."""
+    _check_costs(sched_s=sched_s, host_s=host_s, device_s=device_s)
+    return max(sched_s + host_s, device_s) if overlap else sched_s + max(host_s, device_s)
+
+
+def capture_seconds(sizes: int, launches: int, launch_s: float, *, warmups: int = 1, graph_sets: int = 1) -> float:
+    """Host time to capture ``graph_sets`` graphs for each of ``sizes`` batch sizes: each capture runs
+    the step's Python ``warmups`` times eagerly and once recorded, ``launches`` calls at ``launch_s``
+    each. Instantiation (cudaGraphInstantiate) is not counted: a lower bound."""
+    _check_costs(sizes=sizes, launches=launches, launch_s=launch_s, warmups=warmups, graph_sets=graph_sets)
+    return graph_sets * sizes * (warmups + 1) * launches * launch_s
+
+
 def _check_costs(**values: float) -> None:
     for name, value in values.items():
         if not value >= 0:
@@ -478,5 +499,18 @@ def run_chain_program(exe: str | Path, kernels: int = 64, reps: int = 200) -> di
     proc = subprocess.run([str(exe), str(kernels), str(reps)], capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{exe} failed (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
-    words = proc.stdout.split()
-    return {words[i]: float(words[i + 1]) for i in range(0, len(words) - 1, 2)}
+    return parse_chain_line(proc.stdout)
+
+
+CHAIN_KEYS = ("kernels", "nodes", "reps", "eager_us_per_chain", "graph_us_per_chain", "same")
+
+
+def parse_chain_line(text: str) -> dict[str, float]:
+    """The program's one line of results, ``kernels N nodes N reps R eager_us_per_chain T graph_us_per_chain T
+    same 0|1``, as a dict; a line without every key is refused (a changed program, a crash mid-line)."""
+    words = text.split()
+    result = {words[i]: float(words[i + 1]) for i in range(0, len(words) - 1, 2)}
+    missing = [k for k in CHAIN_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"parse_chain_line: no {', '.join(missing)} in {text.strip()[:200]!r}")
+    return result
