@@ -61,6 +61,26 @@ def test_broken_variant_without_the_group_mask_is_caught():
     assert not torch.equal(broken, ids_ref) and int(groups_per_token(broken, 16, 4).max()) > 1
 
 
+def test_zero_filled_mask_breaks_the_limit_under_negative_biases():
+    """The variant that shipped (Hugging Face's DeepseekV3TopkRouter, older vLLM/SGLang grouped_topk):
+    disallowed experts set to 0.0, not -inf, before the final top-k. With V3's sigmoid scores and
+    negative selection biases an allowed expert's biased score is below 0, so a masked one wins and
+    the token leaves its M groups; the kernel and the reference (-inf) never do."""
+    g = torch.Generator().manual_seed(11)
+    u = torch.randn(128, 256, generator=g)
+    bias = -0.9 + 0.1 * torch.randn(256, generator=g)
+    _, ids = group_limited_route(u, 8, 8, 4, score="sigmoid", bias=bias, group_score="top2")
+    _, ids_ref = group_limited_route_ref(u, 8, 8, 4, score="sigmoid", bias=bias, group_score="top2")
+    assert torch.equal(ids, ids_ref) and int(groups_per_token(ids, 256, 8).max()) <= 4
+    biased = torch.sigmoid(u) + bias                                              # (T, E)
+    allowed_groups = biased.view(128, 8, 32).topk(2, dim=-1).values.sum(-1).topk(4, dim=-1).indices
+    allowed = torch.zeros(128, 8, dtype=torch.bool).scatter_(1, allowed_groups, True)
+    zero_filled = biased.masked_fill(~allowed.repeat_interleave(32, dim=1), 0.0).topk(8, dim=-1).indices
+    assert int(groups_per_token(zero_filled, 256, 8).max()) > 4
+    neg_inf = biased.masked_fill(~allowed.repeat_interleave(32, dim=1), float("-inf")).topk(8, dim=-1).indices
+    assert torch.equal(neg_inf.sort(-1).values, ids.sort(-1).values)             # the same scores, masked right
+
+
 def test_expected_groups_formula():
     """Exact for k = 1 (one group) and k = E (all groups); a Monte Carlo check in between; V3's
     unrestricted 8 of 256 experts land on 5.29 of 8 nodes on average, above its bound of 4."""
