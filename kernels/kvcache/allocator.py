@@ -113,8 +113,8 @@ def request_length_pmf(mean_prompt: float, mean_output: float, *, tail: float = 
 
 def expected_page_waste(lengths: torch.Tensor, probs: torch.Tensor, page_size: int) -> float:
     """The wasted fraction of the reserved KV for lengths drawn with probabilities ``probs``:
-    1 - E[L] / E[P ceil(L / P)], the expectation of the ratio :func:`page_size_costs` measures on a
-    list (a list of lengths is the distribution that gives each of them weight 1 / count)."""
+    1 - E[L] / E[P ceil(L / P)], a ratio of expectations, as :func:`page_size_costs` measures on a
+    list a ratio of sums (a list of lengths is the distribution that gives each of them weight 1 / count)."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"expected_page_waste: page_size must be an int >= 1, got {page_size!r}")
     if lengths.shape != probs.shape or lengths.ndim != 1 or lengths.numel() == 0 or int(lengths.min()) < 1:
