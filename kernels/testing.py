@@ -14,7 +14,12 @@ mismatches, and where NaN or inf appear in one tensor but not the other.
 
 The interpreter does not catch out-of-bounds loads (they read whatever host memory is there), so
 :func:`nan_canary` places an input inside a larger NaN-filled buffer: a load that strays past the
-edge reads NaN, and the NaN shows up in the output.
+edge reads NaN, and the NaN shows up in the output. A stray lane whose value never reaches the output
+(an unmasked load zeroed afterwards, or never stored) shows nothing there; :func:`bounds_checked`
+catches it by checking every live lane's address against the launch's tensors while a kernel runs.
+
+The labs' check, :func:`check_cases`, uses all of it, and refuses the course's references (and library
+functions that are a task's answer) while the learner's function runs (:func:`refusing`).
 """
 from __future__ import annotations
 
