@@ -14,17 +14,25 @@ mismatches, and where NaN or inf appear in one tensor but not the other.
 
 The interpreter does not catch out-of-bounds loads (they read whatever host memory is there), so
 :func:`nan_canary` places an input inside a larger NaN-filled buffer: a load that strays past the
-edge reads NaN, and the NaN shows up in the output.
+edge reads NaN, and the NaN shows up in the output. A stray lane whose value never reaches the output
+(an unmasked load zeroed afterwards, or never stored) shows nothing there; :func:`bounds_checked`
+catches it by checking every live lane's address against the launch's tensors while a kernel runs.
+
+The labs' check, :func:`check_cases`, uses all of it, and refuses the course's references (and library
+functions that are a task's answer) while the learner's function runs (:func:`refusing`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import linecache
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -217,23 +225,39 @@ class BorrowedReference(MismatchError):
 
 
 class _Refused:
-    """A stand-in for a course reference: calling it, or launching it as a Triton kernel
-    (``kernel[grid](...)``), raises :class:`BorrowedReference`."""
+    """A stand-in for a course reference, or for a library function that computes a task's answer in one
+    call: calling it, or launching it as a Triton kernel (``kernel[grid](...)``), raises
+    :class:`BorrowedReference`."""
 
-    def __init__(self, reference):
-        target = getattr(reference, "fn", reference)        # a Triton JITFunction wraps its Python function
-        self.where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    def __init__(self, reference, library_name: str | None = None):
+        if library_name is not None:
+            self.message = (f"your function calls {library_name}, which computes this task's answer in one call; "
+                            "write it yourself")
+        else:
+            target = getattr(reference, "fn", reference)    # a Triton JITFunction wraps its Python function
+            where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+            self.message = f"your function calls the course's reference {where}; write it yourself"
 
     def __call__(self, *args, **kwargs):
-        raise BorrowedReference(f"your function calls the course's reference {self.where}; write it yourself")
+        raise BorrowedReference(self.message)
 
     def __getitem__(self, grid):
         return self
 
 
-def _refusal(reference):
-    """A stand-in for ``reference`` that raises :class:`BorrowedReference` when called or launched."""
-    return _Refused(reference)
+def _library_function(name: str):
+    """``(owner, attribute, function)`` for a dotted name such as ``"torch.nn.functional.softmax"`` or
+    ``"torch.Tensor.softmax"``: the longest importable module prefix, then attributes down to the function."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:-1]:
+            owner = getattr(owner, part)
+        return owner, parts[-1], getattr(owner, parts[-1])
+    raise ValueError(f"refuse: {name!r} names no importable function")
 
 
 @contextlib.contextmanager
@@ -241,17 +265,30 @@ def refusing(references, namespace: dict | None = None):
     """While the block runs, every name bound to one of ``references`` raises :class:`BorrowedReference`
     when called: the names in every loaded ``kernels`` module (``kernels.x.f``, ``import kernels.x as m``,
     a package's re-export) and in ``namespace`` (the learner's globals: ``from kernels.x import f``).
+    A reference given as a dotted string names a library function that is the task's answer
+    (``"torch.softmax"``, ``"torch.nn.functional.softmax"``, the method ``"torch.Tensor.softmax"``): it is
+    replaced where it lives too, so ``F.softmax(x)`` and ``x.softmax(-1)`` are refused as well.
     The original bindings are restored on exit, so the check's own call of the reference is unaffected."""
-    stand_ins = {id(r): _refusal(r) for r in references}
+    library = [(name, *_library_function(name)) for name in references if isinstance(name, str)]
+    stand_ins = {id(r): _Refused(r) for r in references if not isinstance(r, str)}
+    stand_ins.update({id(fn): _Refused(fn, name) for name, _, _, fn in library})
     scopes = [m.__dict__ for n, m in list(sys.modules.items()) if n == "kernels" or n.startswith("kernels.")]
     if namespace is not None:
         scopes.append(namespace)
     bound = [(scope, key, value) for scope in scopes for key, value in list(scope.items()) if id(value) in stand_ins]
+    homes = [(owner, attr, fn, attr in vars(owner)) for _, owner, attr, fn in library]   # a method may be inherited
     try:
         for scope, key, value in bound:
             scope[key] = stand_ins[id(value)]
+        for owner, attr, fn, _ in homes:
+            setattr(owner, attr, stand_ins[id(fn)])
         yield
     finally:
+        for owner, attr, fn, own_attr in reversed(homes):
+            if own_attr:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)                          # back to the base class's method
         for scope, key, value in bound:
             scope[key] = value
 
@@ -269,6 +306,183 @@ def own(fn, *references):
             return fn(*args, **kwargs)
 
     return owned
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds-checked launches under Triton's interpreter
+
+
+class OutOfBounds(MismatchError):
+    """Raised by :func:`check_cases` when a lane that a kernel's mask leaves on addressed memory outside
+    every tensor of its launch, even though the result came out right (:func:`bounds_checked`)."""
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The memory of one tensor argument of a launch, in bytes."""
+
+    name: str                       # the kernel parameter it was passed as
+    tensor: torch.Tensor
+    start: int                      # address of element 0
+    stop: int                       # one past the last byte of the last element
+    elements: np.ndarray | None     # sorted addresses of its elements, for a view with gaps (row strides)
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "_Region":
+        es, base = t.element_size(), t.data_ptr()
+        if t.is_contiguous():
+            return cls(name, t, base, base + es * t.numel(), None)
+        offsets = torch.zeros((), dtype=torch.int64)
+        for size, stride in zip(t.shape, t.stride()):            # offsets[i, j, ...] = sum(index * stride)
+            offsets = offsets[..., None] + stride * torch.arange(size)
+        elements = np.unique(base + es * offsets.flatten().numpy())
+        return cls(name, t, base, int(elements[-1]) + es, elements)
+
+    def holds(self, addr: np.ndarray, width: int) -> np.ndarray:
+        """Whether each access of ``width`` bytes at ``addr`` lies inside one element."""
+        inside = (addr >= self.start) & (addr + width <= self.stop)
+        if self.elements is not None:
+            i = np.clip(np.searchsorted(self.elements, addr, side="right") - 1, 0, None)
+            inside &= addr + width <= self.elements[i] + self.tensor.element_size()
+        return inside
+
+    def where(self, addr: int) -> str:
+        """Where ``addr`` lies relative to this tensor, in its elements."""
+        es, t, n = self.tensor.element_size(), self.tensor, self.name
+        size = f"{t.numel()} elements" + (f", shape {tuple(t.shape)}" if t.dim() > 1 else "")
+        if addr < self.start:
+            return f"{-((addr - self.start) // es)} element(s) before the start of {n} ({size})"
+        rel = (addr - self.start) // es
+        if addr >= self.stop:
+            return f"element {rel} of {n}, past its end ({n} holds {size})"
+        if t.dim() >= 2 and t.stride(-1) == 1 and rel % t.stride(-2) >= t.shape[-1]:
+            return (f"column {rel % t.stride(-2)} of a row of {n}, past the row's end ({t.shape[-1]} columns; "
+                    f"the row stride {t.stride(-2)} skips memory that {n} does not hold)")
+        return f"memory between the elements of {n} ({size}, strides {tuple(t.stride())})"
+
+
+class _StrayLanes:
+    """What :func:`bounds_checked` records: the launch's tensors, and the first stray access."""
+
+    def __init__(self):
+        self.regions: list[_Region] = []
+        self.report: str | None = None       # the first stray access, described; None while there is none
+
+    def launch(self, named_args) -> None:
+        """Record the tensor arguments of a new launch (a tuple argument's tensors as ``name[i]``)."""
+        self.regions = []
+        pending = list(named_args)
+        while pending:
+            name, arg = pending.pop(0)
+            if isinstance(arg, tuple):
+                pending += [(f"{name}[{i}]", a) for i, a in enumerate(arg)]
+                continue
+            arg = getattr(arg, "base", arg)       # a TensorWrapper (reinterpreted dtype) or a TensorDescriptor
+            if isinstance(arg, torch.Tensor) and arg.numel():
+                self.regions.append(_Region.of(name, arg))
+
+    def lanes(self, op: str, builder, ptrs, mask) -> tuple[np.ndarray, np.ndarray]:
+        """``(live, stray)`` for one access: the lanes its mask leaves on, and those of them that address
+        no element of the launch's tensors (the first access with a stray lane goes into :attr:`report`)."""
+        addr = ptrs.data.astype(np.int64)
+        width = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        live = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)
+        inside = np.zeros(addr.shape, dtype=bool)
+        for region in self.regions:
+            inside |= region.holds(addr, width)
+        stray = live & ~inside
+        if stray.any() and self.report is None:
+            self.report = self._describe(op, builder, addr, stray)
+        return live, stray
+
+    def _describe(self, op: str, builder, addr: np.ndarray, stray: np.ndarray) -> str:
+        first = tuple(int(i) for i in np.argwhere(stray)[0])
+        lane = first[0] if len(first) == 1 else first
+        a = int(addr[first])
+        grid = [d for d in builder.grid_dim]
+        rank = max([i + 1 for i, d in enumerate(grid) if d > 1] or [1])
+        pid = builder.grid_idx[0] if rank == 1 else tuple(builder.grid_idx[:rank])
+        if self.regions:              # described from the tensor it lies in or nearest to
+            near = min(self.regions, key=lambda r: r.start - a if a < r.start else max(0, a - r.stop + 1))
+            place = near.where(a)
+        else:
+            place = "memory, and the launch passed no tensor"
+        if op == "tl.load":
+            verb, fix = "reads", ("on a GPU they read out of bounds even when their values are never used: add mask=... to "
+                                  "the tl.load (with an other= that is neutral for what follows) so those lanes do not load")
+        else:
+            verb, fix = "writes", ("on a GPU they write out of bounds, over whatever lies there (the check did not write "
+                                   "them): add mask=... to the tl.store so those lanes do not store")
+        return (f"lane {lane} of your {op}{_kernel_line()}, program {pid}, {verb} {place}; {int(stray.sum())} of its "
+                f"{stray.size} lanes are outside every tensor of the launch, and {fix}")
+
+
+def _kernel_line() -> str:
+    """`` in f, line n (`source`)`` for the innermost frame outside Triton and this module: the kernel's
+    (or a jit helper's) line that made the access."""
+    import triton
+
+    skip = (str(Path(triton.__file__).parent), __file__)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    text = re.sub(r"\s+#.*$", "", linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())  # no comment
+    return f" in {frame.f_code.co_name}, line {frame.f_lineno}" + (f" (`{text}`)" if text else "")
+
+
+def _poison(dtype: np.dtype):
+    """What a stray lane of a load reads: NaN, as :func:`nan_canary` pads inputs (an integer's minimum)."""
+    if np.issubdtype(dtype, np.floating):
+        return np.nan
+    return np.iinfo(dtype).min if np.issubdtype(dtype, np.integer) else False
+
+
+@contextlib.contextmanager
+def bounds_checked():
+    """While the block runs, every Triton launch under the interpreter is bounds-checked: each lane of a
+    ``tl.load`` or ``tl.store`` that its mask leaves on must address an element of one of the launch's
+    tensor arguments. A stray lane is not accessed: a load reads NaN there (an integer load its dtype's
+    minimum), the poison :func:`nan_canary` puts around inputs, and a store skips it; the first one is
+    described (lane, kernel line, program, which tensor it strays from) in the yielded object's
+    ``report``. On a GPU this catches nothing (the kernels are compiled, not interpreted); it is for the
+    course's CPU checks, where an unmasked load whose lanes are never stored otherwise passes unseen.
+    An access that strays into another tensor of the same launch (or onto another element of its own)
+    is not seen, and atomics are not checked."""
+    lanes = _StrayLanes()
+    if "triton" not in sys.modules:          # no kernel has been defined, so none can launch: spare the import
+        yield lanes
+        return
+    from triton.runtime import interpreter
+
+    builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
+    load, store, init_args = builder.create_masked_load, builder.create_masked_store, executor._init_args_hst
+
+    def checked_load(self, ptrs, mask, other, *rest):
+        live, stray = lanes.lanes("tl.load", self, ptrs, mask)
+        if not stray.any():
+            return load(self, ptrs, mask, other, *rest)
+        out = load(self, ptrs, interpreter.TensorHandle(live & ~stray, mask.dtype), other, *rest)
+        out.data[stray] = _poison(out.data.dtype)
+        return out
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        live, stray = lanes.lanes("tl.store", self, ptrs, mask)
+        return store(self, ptrs, value, interpreter.TensorHandle(live & ~stray, mask.dtype), *rest)
+
+    def recording_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        lanes.launch([*zip(self.arg_names, args_hst), *kwargs_hst.items()])
+        return args_hst, kwargs_hst
+
+    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
+    executor._init_args_hst = recording_args
+    try:
+        yield lanes
+    finally:
+        builder.create_masked_load, builder.create_masked_store = load, store
+        executor._init_args_hst = init_args
 
 
 def _same(a, b) -> bool:
@@ -318,12 +532,14 @@ def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.d
 
     Each case is a tuple of arguments (tensors are passed as they are, so a NaN canary keeps its
     padding). The reference runs first; an argument that ``fn`` then changed in place is reported as
-    such, not as a wrong value. A result whose
-    dtype differs from the reference's is reported before its values. ``refuse`` lists the course's
-    references for the task: while ``fn`` runs they raise (:func:`own`). ``hints`` are functions
-    ``hint(got, want, *case) -> str | None`` that name the slip, in the mechanism's terms, when a case
-    differs (``got`` is None when the function raised); each message that applies is
-    appended to the report. The first case that differs raises
+    such, not as a wrong value. A result whose dtype differs from the reference's is reported before
+    its values. ``fn``'s Triton launches are bounds-checked (:func:`bounds_checked`): a lane that strays
+    outside the launch's tensors is added to a mismatch's report, and fails a right result with
+    :class:`OutOfBounds`. ``refuse`` lists the course's references for the task, and dotted names of
+    library functions that are its answer (``"torch.softmax"``): while ``fn`` runs they raise
+    (:func:`own`). ``hints`` are functions ``hint(got, want, *case) -> str | None`` that name the slip,
+    in the mechanism's terms, when a case differs (``got`` is None when the function raised); each
+    message that applies is appended to the report. The first case that differs raises
     :class:`MismatchError` naming the case (its input shapes) and the first mismatching elements.
     Returns the number of cases checked, so a check cell can print it.
     """
@@ -335,14 +551,15 @@ def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.d
         where = f"{label} on case {i} (inputs {shapes})"
         want = reference(*args)
         before = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
-        try:
-            got = run(*args)
-        except Exception as err:
-            borrowed = _borrowed(err)
-            if borrowed:
-                raise BorrowedReference(f"{where}: {borrowed}") from err
-            raise MismatchError(f"{where}: your function raised {type(err).__name__}: {err}"
-                                + "".join(f"\n  hint: {h}" for h in _notes(hints, None, want, args))) from err
+        with bounds_checked() as lanes:
+            try:
+                got = run(*args)
+            except Exception as err:
+                borrowed = _borrowed(err)
+                if borrowed:
+                    raise BorrowedReference(f"{where}: {borrowed}") from err
+                raise MismatchError(f"{where}: your function raised {type(err).__name__}: {err}"
+                                    + _stray(lanes) + _hint_lines(hints, None, want, args)) from err
         changed = [j for j, (a, b) in enumerate(zip(args, before)) if isinstance(a, torch.Tensor) and not _same(a, b)]
         if changed:
             raise MismatchError(f"{where}: your function modified its input argument {changed[0]} in place "
@@ -354,8 +571,18 @@ def check_cases(fn, reference, cases, *, name: str | None = None, dtype: torch.d
             assert_close(got, want, dtype=dtype, name=where)
         except Exception as err:
             report = str(err) if isinstance(err, MismatchError) else f"{where}: {err}"
-            raise MismatchError(report + "".join(f"\n  hint: {h}" for h in _notes(hints, got, want, args))) from err
+            raise MismatchError(report + _stray(lanes) + _hint_lines(hints, got, want, args)) from err
+        if lanes.report:                           # the hints name slips of the values, which are right here
+            raise OutOfBounds(f"{where}: the result is right, but {lanes.report}")
     return len(cases)
+
+
+def _stray(lanes: _StrayLanes) -> str:
+    return f"\n  out of bounds: {lanes.report}" if lanes.report else ""
+
+
+def _hint_lines(hints, got, want, args) -> str:
+    return "".join(f"\n  hint: {h}" for h in _notes(hints, got, want, args))
 
 
 def pinned_triton() -> bool:

@@ -120,15 +120,21 @@ def test_a_wrong_mma_layout_is_caught(case):
         assert_close(D, A.float() @ B.float(), dtype=torch.float32, name=case)
 
 
-def test_check_layout_rejects_duplicates_and_out_of_range():
+def test_check_layout_names_the_mapping_mistake():
     bad = F.mma_layout("c").copy()
-    bad[0, 0] = bad[0, 1]
-    with pytest.raises(ValueError, match=r"\(0, 1\) is held 2 times"):
+    bad[0, 0] = bad[0, 1]                           # slot 0 of lane 0 doubles slot 1's element; (0, 0) is orphaned
+    with pytest.raises(ValueError, match=r"lane 0, slot 0 and lane 0, slot 1 both hold element \(0, 1\), which is held "
+                                         r"2 times, and element \(0, 0\) is held by no \(lane, slot\)"):
         F.check_layout(bad, "c")
     bad = F.mma_layout("b").copy()
     bad[3, 1] = (16, 0)
-    with pytest.raises(ValueError, match="outside the 16x8"):
+    with pytest.raises(ValueError, match=r"lane 3, slot 1 is mapped to \(16, 0\), outside the 16x8 B: over the warp "
+                                         r"your rows run 0\.\.16, B's run 0\.\.15") as info:
         F.check_layout(bad, "b")
+    assert "np.int64" not in str(info.value)              # plain integers, not numpy reprs
+    swapped = np.stack([np.arange(32) % 4, 2 * (np.arange(32) // 4)], -1)[:, None, :] + np.array([[0, 0], [0, 1], [8, 0], [8, 1]])
+    with pytest.raises(ValueError, match=r"columns run 0\.\.15, C's run 0\.\.7 \(groupID = lane // 4 runs 0\.\.7"):
+        F.check_layout(swapped, "c")                   # groupID and threadID_in_group swapped: columns overrun
 
 
 def test_mma_bad_inputs():

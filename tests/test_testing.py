@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from kernels.testing import MismatchError, TOLERANCES, assert_close, check_cases, max_error, nan_canary, tolerance
+from kernels.testing import (BorrowedReference, MismatchError, TOLERANCES, assert_close, check_cases, max_error,
+                             nan_canary, refusing, tolerance)
 
 
 def test_equal_tensors_pass_and_rounding_passes():
@@ -129,6 +130,22 @@ def test_check_cases_names_the_failing_case():
         check_cases(wrong, torch.exp, [torch.zeros(2), torch.ones(3)])
     with pytest.raises(MismatchError, match="expected two tensors"):
         check_cases(lambda x: None, torch.exp, [torch.zeros(2)])
+
+
+def test_a_library_function_that_is_the_answer_is_refused_under_each_name_given_then_restored():
+    x = torch.randn(3, 5)
+    names = ["torch.softmax", "torch.nn.functional.softmax", "torch.Tensor.softmax"]
+    for borrow in (lambda x: torch.softmax(x, -1), lambda x: torch.nn.functional.softmax(x, -1), lambda x: x.softmax(-1)):
+        with pytest.raises(BorrowedReference, match=r"your function calls torch\.(nn\.functional\.|Tensor\.)?softmax, "
+                                                    r"which computes this task's answer in one call; write it yourself"):
+            check_cases(borrow, lambda x: torch.softmax(x, -1), [x], refuse=names)
+    assert check_cases(lambda x: torch.exp(x) / torch.exp(x).sum(-1, keepdim=True), lambda x: torch.softmax(x, -1), [x],
+                       refuse=names) == 1                     # written out, it passes
+    assert "softmax" not in vars(torch.Tensor)                   # the method is the base class's again
+    assert torch.allclose(x.softmax(-1), torch.nn.functional.softmax(x, -1))
+    with pytest.raises(ValueError, match="names no importable function"):
+        with refusing(["no_such_module.f"]):
+            pass
 
 
 def test_max_error_ignores_matching_non_finite_values():

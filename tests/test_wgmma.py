@@ -125,6 +125,24 @@ def test_read_operand_bad_inputs():
         W.write_kmajor(torch.zeros(8192, dtype=torch.uint8), 0, ints((8, 32), 0), "128B")
 
 
+def test_read_through_names_the_descriptor_mistake():
+    tile = ints((64, 16), 7)
+    assert torch.equal(W.read_through(tile, "none"), tile)
+    code = {"none": 0, "128B": 1, "64B": 2, "32B": 3}
+    unshifted = lambda s, l, b, m: s | (l >> 4) << 16 | (b >> 4) << 32 | code[m] << 62   # noqa: E731
+    with pytest.raises(W.DescriptorError, match=r"k16 step 0: the descriptor for start 2048, LBO 1024, SBO 128, none "
+                                                r"decodes to start 32768, .* reads byte 34815, past the 16384-byte shared "
+                                                r"memory: the start address field holds the byte value itself"):
+        W.read_through(tile, "none", encode_fn=unshifted)
+    packed = lambda s, l, b, m: (s >> 4) | (l >> 4) << 14 | (b >> 4) << 28 | code[m] << 62   # noqa: E731
+    with pytest.raises(W.DescriptorError, match=r"reserved bits set: 0x80000000 \(bit 31\): the fields are 14 bits at "
+                                                r"bits 0, 16 and 32"):
+        W.read_through(tile, "none", encode_fn=packed)
+    with pytest.raises(W.DescriptorError, match=r"decodes to start 2048, LBO 16384, SBO 128, none, and it reads byte"):
+        W.read_through(tile, "none", offsets_fn=lambda mode, rows: (16384, 128))   # LBO past the image, not unshifted
+    assert isinstance(W.DescriptorError("x"), ValueError)
+
+
 # ---------------------------------------------------------------------------------------------
 # Accumulator layout and the emulated instruction
 

@@ -20,7 +20,10 @@ report to contain the block's hint: the check names the slip in the mechanism's 
 (``kernels.testing.check_cases(..., hints=...)``), not only the tensor that differs. Every task has
 a wrong block that calls the course's reference for it; its check runs the learner's function with
 those references refused (``check_cases(..., refuse=...)``, ``kernels.testing.own``), so the hint of
-that block is the refusal's "write it yourself".
+that block is the refusal's "write it yourself". A library function that is the task's answer in one
+call (``torch.softmax``) is refused the same way, named by its dotted path in ``refuse=``. Triton
+kernels run bounds-checked (``kernels.testing.bounds_checked``), so a wrong block may also model an
+unmasked lane whose value never shows in the result.
 """
 from __future__ import annotations
 

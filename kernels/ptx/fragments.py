@@ -193,9 +193,12 @@ def layout_from_function(index, operand: str) -> np.ndarray:
 
 
 def check_layout(layout, operand: str) -> None:
-    """Raise ValueError unless ``layout`` puts every element of the operand in exactly one (lane, slot)."""
+    """Raise ValueError unless ``layout`` puts every element of the operand in exactly one (lane, slot).
+    The message names the mapping's mistake: the first (lane, slot) sent outside the matrix (and how far
+    that coordinate reaches over the warp), or two (lane, slot)s that hold the same element."""
     op = "c" if operand == "d" else operand
     rows, cols = OPERAND_SHAPES[op]
+    name = operand.upper()
     lay = np.asarray(layout)
     want = (WARP, ELEMENTS_PER_THREAD[op], 2)
     if lay.shape != want:
@@ -203,13 +206,22 @@ def check_layout(layout, operand: str) -> None:
     r, c = lay[..., 0], lay[..., 1]
     bad = np.argwhere((r < 0) | (r >= rows) | (c < 0) | (c >= cols))
     if len(bad):
-        lane, i = bad[0]
-        raise ValueError(f"{operand} layout: lane {lane} element {i} -> {tuple(lay[lane, i])} is outside the {rows}x{cols} matrix")
+        lane, i = (int(v) for v in bad[0])
+        row, col = (int(v) for v in lay[lane, i])
+        axis, values, size = ("row", r, rows) if not 0 <= row < rows else ("column", c, cols)
+        raise ValueError(
+            f"{name} layout: lane {lane}, slot {i} is mapped to ({row}, {col}), outside the {rows}x{cols} {name}: "
+            f"over the warp your {axis}s run {int(values.min())}..{int(values.max())}, {name}'s run 0..{size - 1} "
+            f"(groupID = lane // 4 runs 0..7, threadID_in_group = lane % 4 runs 0..3: is a {axis} built from the other one?)")
     flat = (r * cols + c).ravel()
     counts = np.bincount(flat, minlength=rows * cols)
-    if (counts != 1).any():
-        e = int(np.argmax(counts > 1)) if (counts > 1).any() else int(np.argmax(counts == 0))
-        raise ValueError(f"{operand} layout: element ({e // cols}, {e % cols}) is held {counts[e]} times, not once")
+    if (counts != 1).any():              # in range and 32 x n = rows x cols slots: a duplicate leaves a hole
+        e, hole = int(np.argmax(counts > 1)), int(np.argmax(counts == 0))
+        (l1, s1), (l2, s2) = (divmod(int(k), lay.shape[1]) for k in np.flatnonzero(flat == e)[:2])
+        raise ValueError(
+            f"{name} layout: lane {l1}, slot {s1} and lane {l2}, slot {s2} both hold element ({e // cols}, {e % cols}), "
+            f"which is held {int(counts[e])} times, and element ({hole // cols}, {hole % cols}) is held by no (lane, slot): "
+            f"each of the {rows * cols} elements of {name} sits in exactly one of the warp's 32 x {lay.shape[1]} slots")
 
 
 def to_fragments(matrix: torch.Tensor, operand: str, layout=None) -> torch.Tensor:

@@ -162,7 +162,8 @@ def read_through(tile: torch.Tensor, mode: str, *, encode_fn=None, offsets_fn=No
     image, then read it back one k16 step at a time through descriptors, as the tensor core does.
     ``encode_fn(start, lbo, sbo, mode) -> int`` builds each descriptor and ``offsets_fn(mode, rows) ->
     (lbo, sbo)`` gives the offsets (each defaults to this module's); the wgmma lab passes its own. A
-    descriptor that cannot be decoded or reads past the image yields NaN rows, so a check can report it."""
+    descriptor that cannot be decoded (a reserved bit set) or that reads past the image raises
+    :class:`DescriptorError`, naming the k16 step, the fields asked for and what the bits decode to."""
     smem = torch.zeros(smem_bytes, dtype=torch.uint8)
     lay = write_kmajor(smem, base, tile, mode)
     lbo, sbo = offsets_fn(mode, tile.shape[0]) if offsets_fn else (lay["lbo"], lay["sbo"])
@@ -170,11 +171,52 @@ def read_through(tile: torch.Tensor, mode: str, *, encode_fn=None, offsets_fn=No
     steps = []
     for k0 in range(0, tile.shape[1], 16):
         start = base + (2 * k0 if mode != "none" else 0)     # swizzled: the next k16 step is 32 bytes on
+        asked = Descriptor(start, lbo, sbo, mode)
+        bits = encode_fn(start, lbo, sbo, mode)
         try:
-            steps.append(read_operand(smem, decode(encode_fn(start, lbo, sbo, mode)), tile.shape[0]))
-        except ValueError:                                   # reserved bits, or an address past the image
-            steps.append(torch.full((tile.shape[0], 16), float("nan"), dtype=torch.float16))
+            d = decode(bits)
+        except ValueError as err:                            # not 64 bits, or a reserved bit set
+            raise DescriptorError(f"k16 step {k0 // 16}: the descriptor for {_fields(asked)} is {_hex(bits)}: {err}"
+                                  f"{_reserved_bits(bits)}") from None
+        try:
+            steps.append(read_operand(smem, d, tile.shape[0]))
+        except ValueError as err:                            # an address past the image
+            raise DescriptorError(f"k16 step {k0 // 16}: the descriptor for {_fields(asked)} decodes to {_fields(d)}, "
+                                  f"and it {err.args[0].removeprefix('descriptor ')}{_unshifted(asked, d)}") from None
     return torch.cat(steps, 1)
+
+
+class DescriptorError(ValueError):
+    """A descriptor that :func:`read_through` cannot follow: it names the mistake in the descriptor's fields."""
+
+
+def _fields(d: Descriptor) -> str:
+    return f"start {d.start_address}, LBO {d.lbo}, SBO {d.sbo}, {d.swizzle}"
+
+
+def _hex(bits) -> str:
+    return f"{bits:#018x}" if isinstance(bits, int) and bits >= 0 else repr(bits)
+
+
+def _reserved_bits(bits) -> str:
+    """Which reserved bits are set, and where the fields are, for a descriptor :func:`decode` refused."""
+    if not isinstance(bits, int) or not 0 <= bits < 1 << 64:
+        return ""
+    used = sum(((1 << w) - 1) << lo for lo, w in _FIELDS.values())
+    stray = [b for b in range(64) if (bits & ~used) >> b & 1]
+    return (f" (bit{'s' if len(stray) > 1 else ''} {', '.join(map(str, stray))}): the fields are 14 bits at bits 0, 16 "
+            "and 32 (start, LBO, SBO, each byte value >> 4), 3 at bit 49 (base offset) and 2 at bit 62 (swizzle), "
+            "so a field is at the wrong bit or holds a value too wide for it")
+
+
+def _unshifted(asked: Descriptor, d: Descriptor) -> str:
+    """A note when a decoded field is 16 times the one asked for: the byte value was stored without >> 4."""
+    names = [n for n, a, b in (("start address", asked.start_address, d.start_address), ("LBO", asked.lbo, d.lbo),
+                               ("SBO", asked.sbo, d.sbo)) if a != b and b == (a << 4) % (16 << 14)]
+    if not names:
+        return ""
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f": the {listed} field{'s hold' if len(names) > 1 else ' holds'} the byte value itself (a field is value >> 4)"
 
 
 # ---------------------------------------------------------------------------------------------

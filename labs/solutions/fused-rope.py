@@ -118,7 +118,33 @@ def lab_rope_kernel(x_ptr, o_ptr, cos_ptr, sin_ptr, pos_ptr, H, HALF,
     tl.store(o_ptr + row + a[None, :], x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
     tl.store(o_ptr + row + b[None, :], x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
 
-# %% wrong triton-rope: the mask drops the head bound (heads h >= H of the last token written past the output) | hint: wrote past the output
+# %% wrong triton-rope: loads x1, x2 without the mask, the stores masked (right output, reads past x) | hint: of x_ptr, past its end
+@triton.jit
+def lab_rope_kernel(x_ptr, o_ptr, cos_ptr, sin_ptr, pos_ptr, H, HALF,
+                    INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    tok = tl.program_id(0)
+    p = tl.load(pos_ptr + tok)
+    h = tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    mask = (h < H)[:, None] & (i < HALF)[None, :]
+    cos = tl.load(cos_ptr + p * HALF + i, mask=i < HALF, other=0.0)
+    sin = tl.load(sin_ptr + p * HALF + i, mask=i < HALF, other=0.0)
+    row = tok * H * 2 * HALF + h[:, None] * (2 * HALF)
+    if INTERLEAVED:
+        a = 2 * i
+        b = 2 * i + 1
+    else:
+        a = i
+        b = i + HALF
+    if CONJUGATE:
+        sin = -sin
+    x1 = tl.load(x_ptr + row + a[None, :])
+    x2 = tl.load(x_ptr + row + b[None, :])
+    tl.store(o_ptr + row + a[None, :], x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
+    tl.store(o_ptr + row + b[None, :], x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+
+# %% wrong triton-rope: the mask drops the head bound (heads h >= H of the last token read past x and written past the output) | hint: of x_ptr, past its end
 @triton.jit
 def lab_rope_kernel(x_ptr, o_ptr, cos_ptr, sin_ptr, pos_ptr, H, HALF,
                     INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,

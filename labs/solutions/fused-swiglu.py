@@ -26,7 +26,7 @@ def swiglu_fwd_kernel(gu_ptr, h_ptr, T, H, stride_gu, stride_h, BLOCK_T: tl.cons
     h = u * tl.sigmoid(u) * g
     tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
 
-# %% wrong forward: stores without the mask (the edge tiles write past h) | hint: stored past the end of h
+# %% wrong forward: stores without the mask (the edge tiles write past h) | hint: of h_ptr, past its end
 @triton.jit
 def swiglu_fwd_kernel(gu_ptr, h_ptr, T, H, stride_gu, stride_h, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -37,6 +37,18 @@ def swiglu_fwd_kernel(gu_ptr, h_ptr, T, H, stride_gu, stride_h, BLOCK_T: tl.cons
     u = tl.load(gate + H, mask=mask, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h)
+
+# %% wrong forward: loads without the mask, the store masked (right h, reads past the last row) | hint: of gu_ptr, past its end
+@triton.jit
+def swiglu_fwd_kernel(gu_ptr, h_ptr, T, H, stride_gu, stride_h, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < T) & (cols[None, :] < H)
+    gate = gu_ptr + rows[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gate).to(tl.float32)
+    u = tl.load(gate + H).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
 
 # %% wrong forward: the course's fused kernel launched as the lab's | hint: write it yourself
 from kernels.mlp.gated import _glu_fused_fwd_kernel as swiglu_fwd_kernel

@@ -32,6 +32,21 @@ def block_sums(x, block=64):
     block_sums_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block)
     return out
 
+# %% wrong block-sums: the load left unmasked, its stray lanes zeroed afterwards with tl.where (right sums, reads past n) | hint: reads element 1 of x_ptr, past its end
+@triton.jit
+def block_sums_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets)
+    tl.store(out_ptr + pid, tl.sum(tl.where(offsets < n, x, 0.0), axis=0))
+
+
+def block_sums(x, block=64):
+    n = x.numel()
+    out = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
+    block_sums_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block)
+    return out
+
 # %% wrong block-sums: every program reads block 0 (pid left out of the offsets) | hint: every program summed block 0
 @triton.jit
 def block_sums_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):

@@ -16,6 +16,13 @@ def a_index(lane: int, i: int) -> tuple[int, int]:
     col = 2 * t + (i % 2) + 8 * ((i // 2) % 2)
     return row, col
 
+# %% wrong a-index: groupID and threadID_in_group swapped (g = lane % 4, t = lane // 4) | hint: is a column built from the other one?
+def a_index(lane: int, i: int) -> tuple[int, int]:
+    g, t = lane % 4, lane // 4
+    row = g + 8 * ((i // 2) % 2)
+    col = 2 * t + (i % 2) + 8 * (i // 4)
+    return row, col
+
 # %% wrong a-index: reads the ISA layout from the module | hint: write it yourself
 def a_index(lane: int, i: int) -> tuple[int, int]:
     from kernels.ptx.fragments import mma_layout
@@ -32,6 +39,11 @@ def b_index(lane: int, i: int) -> tuple[int, int]:
 def b_index(lane: int, i: int) -> tuple[int, int]:
     g, t = lane // 4, lane % 4
     return g + 8 * (i // 2), 2 * t + (i % 2)
+
+# %% wrong b-index: a thread's four slots run on along k (k = 2t + i) into the next thread's | hint: lane 0, slot 2 and lane 1, slot 0 both hold element (2, 0)
+def b_index(lane: int, i: int) -> tuple[int, int]:
+    g, t = lane // 4, lane % 4
+    return 2 * t + i, g
 
 # %% wrong b-index: reads the ISA layout from the module | hint: write it yourself
 def b_index(lane: int, i: int) -> tuple[int, int]:

@@ -51,6 +51,14 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     import kernels.softmax
     return kernels.softmax.online_softmax_ref(x.float(), block=block)
 
+# %% wrong online-softmax: hands the row to PyTorch's softmax (no recurrence at all) | hint: write it yourself
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    return torch.nn.functional.softmax(x.float(), dim=-1)
+
+# %% wrong online-softmax: the same through the tensor method | hint: your function calls torch.Tensor.softmax
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    return x.float().softmax(-1)
+
 # %% solution rms-norm
 @triton.jit
 def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):

@@ -38,6 +38,23 @@ def lab_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+# %% wrong tile-loop: loads masked along K only (rows past M, columns past N read, never stored) | hint: of a_ptr, past its end
+@triton.jit
+def lab_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k[:, None] < K, other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
 # %% wrong tile-loop: swaps B's strides (walks K with stride_bn and N with stride_bk) | hint: element (k, n) of B at k * stride_bk + n * stride_bn
 @triton.jit
 def lab_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
@@ -57,7 +74,7 @@ def lab_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
-# %% wrong tile-loop: stores without a mask (the edge tiles write past C) | hint: stored past the end of C
+# %% wrong tile-loop: stores without a mask (the edge tiles write past C) | hint: of c_ptr, past its end
 @triton.jit
 def lab_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,

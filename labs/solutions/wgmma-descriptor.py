@@ -17,6 +17,16 @@ def encode_descriptor(start_address: int, lbo: int, sbo: int, swizzle: str) -> i
     code = {"none": 0, "128B": 1, "64B": 2, "32B": 3}[swizzle]
     return (start_address >> 4) | (lbo & 0x3FFF) << 16 | (sbo & 0x3FFF) << 32 | code << 62
 
+# %% wrong encode: the start address stored as bytes, not >> 4 (LBO and SBO shifted) | hint: the start address field holds the byte value itself
+def encode_descriptor(start_address: int, lbo: int, sbo: int, swizzle: str) -> int:
+    code = {"none": 0, "128B": 1, "64B": 2, "32B": 3}[swizzle]
+    return start_address | (lbo >> 4) << 16 | (sbo >> 4) << 32 | code << 62
+
+# %% wrong encode: the three 14-bit fields packed back to back at bits 0, 14, 28 | hint: reserved bits set: 0x80000000 (bit 31)
+def encode_descriptor(start_address: int, lbo: int, sbo: int, swizzle: str) -> int:
+    code = {"none": 0, "128B": 1, "64B": 2, "32B": 3}[swizzle]
+    return (start_address >> 4) | (lbo >> 4) << 14 | (sbo >> 4) << 28 | code << 62
+
 # %% wrong encode: calls the module's encoder | hint: write it yourself
 def encode_descriptor(start_address: int, lbo: int, sbo: int, swizzle: str) -> int:
     from kernels.ptx.wgmma import Descriptor, encode
