@@ -91,9 +91,12 @@ def test_sm90_build_at_vit_b16_does_not_spill():
     assert all(j.constexprs["P"] == 16 and j.grid[1] == 12 for j in jobs.values())
     job = vit.launch_job()
     assert job.grid == (98, 12) and job.constexprs["stride_iw"] == 1
-    build = ki.compile_triton_many([job], archs=("sm90",))[0]["sm90"]
-    assert build.spills == 0 and build.metadata["stack_bytes"] == 0 and build.metadata["registers"] < 255
-    assert build.families("sass")["HGMMA"] > 0 or build.families("sass")["HMMA"] > 0
+    bf16 = vit.launch_job(dtype=torch.bfloat16)          # how ViTs run; its arithmetic is checked on a GPU
+    builds = ki.compile_triton_many([job, bf16], archs=("sm90",))
+    for build in (b["sm90"] for b in builds):
+        assert build.spills == 0 and build.metadata["stack_bytes"] == 0 and build.metadata["registers"] < 255
+        assert build.families("sass")["HGMMA"] > 0 or build.families("sass")["HMMA"] > 0
+    assert "f32.bf16.bf16" in builds[1]["sm90"].ptx and ".bf16" not in builds[0]["sm90"].ptx   # a bf16 wgmma, no cast to fp16
 
 
 @pytest.mark.parametrize("pool", ["cls", "mean"])

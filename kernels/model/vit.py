@@ -123,6 +123,9 @@ def _patch_embed_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def patch_embed_launch(M: int, E: int, K: int) -> dict:
     """Tiles: 64 patches x 64 features, K in steps of up to 64 (at least 16, tl.dot's minimum), 8 warps.
     (Compiled for sm_90a without the launch's specialisation, i.e. a runtime ``stride_iw``, the gather's
@@ -135,8 +138,9 @@ def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
                 *, _add_bias: bool = True) -> torch.Tensor:
     """Patch embedding in one kernel: tokens (B, N, d) = patchify(images) @ weight + bias.
 
-    images (B, C, H, W), any strides, fp16 or fp32; weight (C p p, d) contiguous; bias (d,); H and W
-    multiples of p. Returns the images' dtype.
+    images (B, C, H, W), any strides, fp16, bf16 or fp32 (bf16 is checked on a GPU only: the interpreter
+    does not round it, see ``runtime.Runtime.check_dtypes``); weight (C p p, d) contiguous; bias (d,);
+    H and W multiples of p. Returns the images' dtype.
     """
     if not isinstance(images, torch.Tensor) or images.dim() != 4:
         raise ValueError(f"patch_embed: images must be a 4-D (B, C, H, W) tensor, got "
@@ -149,8 +153,8 @@ def patch_embed(images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
         raise ValueError(f"patch_embed: weight must be (C p p, d) = ({K}, d), got {tuple(weight.shape)}")
     if bias.shape != (weight.shape[1],):
         raise ValueError(f"patch_embed: bias must be (d,) = ({weight.shape[1]},), got {tuple(bias.shape)}")
-    if images.dtype not in (torch.float16, torch.float32) or weight.dtype != images.dtype:
-        raise TypeError(f"patch_embed: images and weight must share a dtype, float16 or float32; got "
+    if images.dtype not in SUPPORTED_DTYPES or weight.dtype != images.dtype:
+        raise TypeError(f"patch_embed: images and weight must share a dtype, float16, bfloat16 or float32; got "
                         f"{images.dtype} and {weight.dtype}")
     for name, t in (("images", images), ("weight", weight), ("bias", bias)):
         if t.device.type != runtime.device().type:
