@@ -184,21 +184,6 @@ def test_forgetting_to_rescale_the_accumulator_is_caught():
     assert_close(o, ref, dtype=torch.float32, baseline=base)
 
 
-@pytest.mark.parametrize("nq, nk, bm, bn", [(40, 100, 16, 32), (100, 40, 32, 16), (70, 70, 32, 16), (33, 97, 16, 16)])
-def test_only_diagonal_tiles_are_masked_and_unmasking_them_is_caught(nq, nk, bm, bn):
-    """The forward skips the element mask on tiles every row of the block sees whole (below the
-    bottom-right diagonal, before a partial key tile). Exact at tile shapes where BLOCK_M != BLOCK_N
-    and Nq != Nk both ways; treating the diagonal tiles as full too (mask_diagonal=False) is caught."""
-    q, k, v = _qkv(1, 2, 1, nq, nk, 32, torch.float32, seed=nq + nk)
-    ref = attention_ref(q.double(), k.double(), v.double(), True)
-    base = attention_ref(q, k, v, True, upcast=False)
-    o, _ = flash_mod._forward(q, k, v, True, 32 ** -0.5, block_m=bm, block_n=bn)
-    assert_close(o, ref, dtype=torch.float32, baseline=base)
-    o, _ = flash_mod._forward(q, k, v, True, 32 ** -0.5, block_m=bm, block_n=bn, mask_diagonal=False)
-    with pytest.raises(MismatchError):
-        assert_close(o, ref, dtype=torch.float32, baseline=base)
-
-
 def test_missing_key_mask_is_caught_by_canaries():
     """Without the n < Nk mask the padded tail of the last K/V block joins the softmax; with the
     inputs inside NaN canaries that shows up as NaN (and without canaries as a wrong answer)."""
@@ -721,12 +706,3 @@ def test_softcap_and_window_bad_values_raise_clear_errors():
             flash_attention(q, k, v, True, window=w)
     with pytest.raises(ValueError, match="window needs causal=True"):
         flash_attention(q, k, v, False, window=4)
-
-
-def test_forward_masks_scores_only_inside_the_diagonal_branch(aot_builds):
-    """In the compiled causal forward (sm_90a, D = 128) the (BLOCK_M, BLOCK_N) score select of the mask
-    sits in the branch taken only from the first diagonal (or partial) tile on: one such select, inside
-    an scf.if; the full tiles below the diagonal never build the mask."""
-    b = aot_builds["Llama-3-8B prefill fwd, D=128"]["sm90"]
-    selects, inside = flash_mod.masked_score_selects(b.ttgir, 128, 64)
-    assert selects == 1 and inside == 1, (selects, inside)

@@ -140,7 +140,7 @@ def _flash_fwd_kernel(
     Hq, Nq, Nk, D, GROUP, qk_scale, cap_log2, window,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr, RESCALE: tl.constexpr, MASK_KV: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SKIP_OUTSIDE: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SKIP_OUTSIDE: tl.constexpr,
 ):
     start_m = tl.program_id(0)                     # which block of BLOCK_M query rows
     bh = tl.program_id(1)
@@ -178,16 +178,6 @@ def _flash_fwd_kernel(
             lo = _window_start(start_m * BLOCK_M, shift, window, BLOCK_N)    # tiles before lo: outside every row's window
             k_ptrs += tl.cast(lo, tl.int64) * stride_kn
             v_ptrs += tl.cast(lo, tl.int64) * stride_vn
-    # Tiles lo..full_hi are seen whole by every row of the block (below the causal diagonal, before a
-    # partial last key tile): their scores skip the element mask, a uniform branch per tile, as
-    # FlashAttention-2 masks only its last ceil(BLOCK_M / BLOCK_N) (+1) causal steps.
-    full_hi = lo
-    if not HAS_WINDOW:
-        full_hi = Nk // BLOCK_N * BLOCK_N                 # the last key tile may be partial
-        if CAUSAL:                                        # the first row sees keys up to its own position
-            full_hi = tl.minimum(full_hi, tl.maximum(start_m * BLOCK_M + shift + 1, 0) // BLOCK_N * BLOCK_N)
-        if not MASK_DIAGONAL:
-            full_hi = hi                                  # broken on purpose: no tile masked
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         n_ok = n < Nk
@@ -197,16 +187,15 @@ def _flash_fwd_kernel(
         s = _scores(q, k, qk_scale, cap_log2, SOFTCAP, DOT_PRECISION)         # S_ij in log2 units
         if HAS_ALIBI:
             s = s + _alibi_bias(slope_log2, offs_m, n, shift)                   # S_ij - slope |j - i'|
-        if start_n >= full_hi:                            # a diagonal or tail tile: build the element mask
-            if MASK_KV:
-                visible = n_ok[None, :]
-            else:
-                visible = n[None, :] >= 0                  # broken on purpose: the tail's padding counts
-            if CAUSAL:
-                visible = visible & (n[None, :] <= offs_m[:, None] + shift)
-            if HAS_WINDOW:
-                visible = visible & (n[None, :] > offs_m[:, None] + shift - window)   # j > i' - W
-            s = tl.where(visible, s, float("-inf"))
+        if MASK_KV:
+            visible = n_ok[None, :]
+        else:
+            visible = n[None, :] >= 0                      # broken on purpose: the tail's padding counts
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + shift)
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > offs_m[:, None] + shift - window)   # j > i' - W
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))        # m_new = max(m, rowmax(S_ij))
         # a row with nothing visible yet has m_new = -inf; exponentiate against 0 so no NaN appears
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -624,7 +613,7 @@ def _score_options(softcap, window, skip_outside: bool) -> dict:
 
 
 def _fwd_args(q, k, v, o, lse, slopes, causal: bool, sm_scale: float, tiles: Tiles, *, rescale: bool = True,
-              mask_kv: bool = True, mask_diagonal: bool = True, softcap=None, window=None, cap_units: float = LOG2E, skip_outside: bool = True):
+              mask_kv: bool = True, softcap=None, window=None, cap_units: float = LOG2E, skip_outside: bool = True):
     """(grid, args, kwargs) of one launch of :func:`_flash_fwd_kernel`, shared by the launcher and
     :func:`compile_jobs` so the AOT build is the launch. ``slopes``, ``softcap``, ``window`` None: not used."""
     B, Hq, Nq, D = q.shape
@@ -634,7 +623,7 @@ def _fwd_args(q, k, v, o, lse, slopes, causal: bool, sm_scale: float, tiles: Til
             Hq, Nq, Nk, D, Hq // Hkv, sm_scale * LOG2E, *_score_args(softcap, window, cap_units))
     kwargs = dict(CAUSAL=causal, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
                   DOT_PRECISION=_precision(q.dtype), HAS_ALIBI=slopes is not None, RESCALE=rescale,
-                  MASK_KV=mask_kv, MASK_DIAGONAL=mask_diagonal, **_score_options(softcap, window, skip_outside),
+                  MASK_KV=mask_kv, **_score_options(softcap, window, skip_outside),
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return (triton.cdiv(Nq, tiles.block_m), B * Hq), args, kwargs
 
@@ -664,14 +653,13 @@ def _bwd_args(do, q, k, v, lse, delta, dq, dk, dv, slopes, causal: bool, sm_scal
 
 
 def _forward(q, k, v, causal: bool, sm_scale: float, *, slopes=None, block_m=None, block_n=None,
-             rescale: bool = True, mask_kv: bool = True, mask_diagonal: bool = True, softcap=None, window=None,
-             cap_units: float = LOG2E, skip_outside: bool = True):
+             rescale: bool = True, mask_kv: bool = True, softcap=None, window=None, cap_units: float = LOG2E,
+             skip_outside: bool = True):
     B, Hq, Nq, D = q.shape
     o = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     tiles = fwd_tiles(Nq, k.shape[2], D, block_m, block_n, options=softcap is not None or window is not None)
     grid, args, kwargs = _fwd_args(q, k, v, o, lse, slopes, causal, sm_scale, tiles, rescale=rescale, mask_kv=mask_kv,
-                                   mask_diagonal=mask_diagonal,
                                    softcap=softcap, window=window, cap_units=cap_units, skip_outside=skip_outside)
     _flash_fwd_kernel[grid](*args, **kwargs)
     return o, lse
@@ -816,28 +804,6 @@ REAL_CONFIGS = (
     ("Llama-3.2-1B", 32, 8, 64),
     ("Llama-3-8B", 32, 8, 128),
 )
-
-
-def masked_score_selects(ttgir: str, block_m: int, block_n: int) -> tuple[int, int]:
-    """(all, inside a branch): how many arith.select ops of the forward's TTGIR pick among
-    (block_m, block_n) scores (the element mask), and how many of them sit inside an scf.if region.
-    Regions open on a line ending in "{" and close on a line starting with "}" ("} else {" does both)."""
-    shape = f"tensor<{block_m}x{block_n}xi1"
-    regions = []                                          # one bool per open region: is it a branch?
-    total = inside = 0
-    for line in ttgir.splitlines():
-        text = line.strip()
-        if text.startswith("}"):
-            branch = regions.pop()
-            if text.endswith("{"):
-                regions.append(branch)                    # "} else {": the same scf.if
-                continue
-        elif text.endswith("{"):
-            regions.append("scf.if" in text)
-        if "arith.select" in text and shape in text:
-            total += 1
-            inside += any(regions)
-    return total, inside
 
 
 def launch_jobs(hq: int, hkv: int, head_dim: int, *, batch: int = 1, seq: int = 8192, alibi: bool = False,
