@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: env book test execute lab model clean gpu gpu-plan compat
+.PHONY: env book test execute lab model kv-recall clean gpu gpu-plan compat
 
 env: $(STAMP)
 
@@ -35,6 +35,11 @@ execute: $(STAMP)
 # Train the course's tiny GPT (minutes on a CPU); the checkpoint is committed, nbval never retrains it.
 model: $(STAMP)
 	$(PY) -m kernels.model.train
+
+# Train the three small multi-needle recall GPTs of the kv-eviction chapter (about a minute each on one core);
+# the weights in models/kv-recall are committed, the notebook never retrains them.
+kv-recall: $(STAMP)
+	$(PY) -m kernels.kvcache.recall
 
 # JupyterLab on the labs, on loopback only (it refuses to start as root without --allow-root).
 lab: $(STAMP)

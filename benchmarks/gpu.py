@@ -363,6 +363,31 @@ def step_decode(ctx: Ctx) -> None:
               lambda: paged_decode_attention_ref(q, kp, vp, table, lens), baseline=low)
     ctx.row(size, f"paged_decode_attention (page {page})", lambda: paged_decode_attention(q, kp, vp, table, lens),
             **counts)
+    _decode_split_vs_one_pass(ctx)
+
+
+def _decode_split_vs_one_pass(ctx: Ctx) -> None:
+    """The flash-decoding chapter's claim: at batch 1 the one-pass grid (B x Hkv = 8 programs) leaves
+    most SMs idle, and the default split (choose_num_splits) fills them; the bandwidth model predicts
+    min(1, after / SMs) / min(1, before / SMs) (132 / 8 = 16.5x on an H100 at 32k). Llama-2-70B's
+    64 query / 8 K/V heads of 128, bf16; the one pass is the case's baseline, so vs_baseline is the
+    measured speed-up, beside model_speedup."""
+    from kernels.attention import choose_num_splits, decode_attention, decode_attention_ref
+
+    b, hq, hkv, d, length = 1, _sz(ctx, 64, 4), _sz(ctx, 8, 2), _sz(ctx, 128, 32), _sz(ctx, 32768, 300)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if ctx.real else 132
+    splits = choose_num_splits(b, hkv, length, sms)
+    model = min(1.0, b * hkv * splits / sms) / min(1.0, b * hkv / sms)
+    q = ctx.randn(b, hq, d)
+    k, v = ctx.randn(b, hkv, length, d), ctx.randn(b, hkv, length, d)
+    lens = torch.full((b,), length, device=ctx.device, dtype=torch.int32)
+    case = f"B{b} Hq{hq} Hkv{hkv} L{length} D{d}: split vs one pass"
+    one_pass = lambda: decode_attention(q, k, v, lens, num_splits=1)           # noqa: E731
+    split = lambda: decode_attention(q, k, v, lens, num_splits=splits)         # noqa: E731
+    ctx.close("decode_attention split", case, split, lambda: decode_attention_ref(q, k, v, lens), baseline=one_pass)
+    counts = _decode_counts(b, hq, hkv, length, d)
+    ctx.row(case, "decode_attention one pass (B x Hkv programs)", one_pass, baseline=True, **counts)
+    ctx.row(case, f"decode_attention {splits} splits", split, splits=splits, sms=sms, model_speedup=model, **counts)
 
 
 def step_mla(ctx: Ctx) -> None:
@@ -833,7 +858,8 @@ STEPS = (
          step_flash_forward, 6.0, (8, 0)),
     Step("flash backward", "attention", "same shapes: FA2 backward vs SDPA flash/cuDNN backward", 8, 12,
          step_flash_backward, 8.0),
-    Step("decode", "decode", "Llama-3-70B heads 64/8 D128, B8 at 32k: flash_decode, paged, SDPA", 5, 3,
+    Step("decode", "decode", "Llama-3-70B heads 64/8 D128, B8 at 32k: flash_decode, paged, SDPA; B1 at 32k: "
+         "split vs one pass", 7, 5,
          step_decode, 6.0),
     Step("mla decode", "decode", "DeepSeek-V3 128 heads, 512+64 latent, B8 at 32k, page 64", 3, 1, step_mla, 4.0),
     Step("row kernels", "rows", "16k tokens x 4096 (14336 for SwiGLU), softmax 4096x32000, RoPE 32+8 heads", 6, 10,

@@ -41,6 +41,26 @@ def test_kernel_is_exact_attention_on_its_quantized_inputs_up_to_p_rounding(B, H
     assert err <= F3.p_rounding_bound(vd.abs().max(), Nk, p_scale=S.P_SCALE), err
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D", [(1, 2, 1, 100, 150, 64), (2, 4, 2, 37, 64, 32), (1, 1, 1, 130, 130, 128)])
+def test_causal_kernel_is_exact_causal_attention_on_its_quantized_inputs(B, Hq, Hkv, Nq, Nk, D):
+    """Causal (bottom-right) within the same P-rounding bound, K smoothed over all keys (exact under the
+    mask: a per-row constant); the same output against the non-causal reference fails the bound."""
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, seed=Nq + 1, offset=2.0)
+    o = S.sage_attention(q, k, v, causal=True)
+    bm, bn, _ = S.CPU_BLOCKS if runtime.runtime().interpreted else S.GPU_BLOCKS
+    qd, kd, vd = S.dequantized_inputs(q, k, v, block_m=bm, block_n=bn)
+    bound = F3.p_rounding_bound(vd.abs().max(), Nk, p_scale=S.P_SCALE)
+    assert float((o.double() - attention_ref(qd, kd, vd, True)).abs().max()) <= bound
+    assert float((o.double() - attention_ref(qd, kd, vd, False)).abs().max()) > bound
+
+
+def test_smoothing_leaves_causal_attention_unchanged():
+    q, k, v = _qkv(1, 2, 1, 40, 50, 32, offset=5.0)
+    a = attention_ref(q.double(), k.double(), v.double(), True)
+    b = attention_ref(q.double(), S.smooth_k(k.double()), v.double(), True)
+    assert float((a - b).abs().max()) < 1e-12
+
+
 def test_smoothing_leaves_attention_unchanged():
     q, k, v = _qkv(1, 2, 1, 40, 50, 32, offset=5.0)
     a = attention_ref(q.double(), k.double(), v.double())
@@ -98,8 +118,8 @@ def test_q_smoothing_is_exact_without_a_quantizer():
 
 def test_bad_inputs_are_refused_by_name():
     q, k, v = _qkv(1, 2, 1, 32, 32, 64)
-    with pytest.raises(ValueError, match="causal=True is not implemented"):
-        S.sage_attention(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="causal with Nq=40 > Nk=32"):
+        S.sage_attention(*_qkv(1, 2, 1, 40, 32, 64), causal=True)
     with pytest.raises(ValueError, match="head dim D=48"):
         S.sage_attention(*_qkv(1, 2, 1, 32, 32, 48))
     with pytest.raises(TypeError, match="dtype"):

@@ -39,8 +39,10 @@ smoothing; SageAttention2++ FP8 P V accumulated in FP16 (mma.f16.f8.f8.f16) with
 that a 32-term fp16 accumulation cannot overflow; SageAttention3 FP4 (E2M1) with one E4M3 scale per
 16 elements (NVFP4 microscaling) on Blackwell's block-scaled MMA.
 
-Shapes: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), Hq a multiple of Hkv, D a power of two in 16..128;
-non-causal (SageAttention's causal kernel is a separate file; not implemented here, refused by name).
+Shapes: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), Hq a multiple of Hkv, D a power of two in 16..128.
+``causal``: bottom-right aligned (query i sees key j <= i + Nk - Nq, Nq <= Nk), the program stopping at
+its last visible key block. Smoothing stays exact under the mask: K - mean(K) shifts row i's scores by
+q_i . mean(K), one constant over whichever keys the row sees, and softmax ignores it.
 """
 from __future__ import annotations
 
@@ -202,7 +204,7 @@ def _sage_fwd_kernel(
     stride_ob, stride_oh, stride_om,
     Hq, Hkv, Nq, Nk,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_ROUND: tl.constexpr,
-    TWO_LEVEL: tl.constexpr,
+    TWO_LEVEL: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """One program per (query block, batch x query head): INT8 Q_i K_j^T, FP8 P_ij V_j."""
     start_m = tl.program_id(0)
@@ -225,12 +227,19 @@ def _sage_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)                      # the fp32 buffer
     v_scale = tl.load(vs_ptr + kv * HEAD_DIM + d) / 448.0                # (D,) per-channel scales of V, / 448
-    for start_n in range(0, Nk, BLOCK_N):
+    shift = Nk - Nq                                                      # bottom-right causal alignment
+    hi = Nk
+    if CAUSAL:
+        hi = tl.minimum(Nk, (start_m + 1) * BLOCK_M + shift)             # the block's last row sees keys < hi
+    for start_n in range(0, hi, BLOCK_N):
         n = start_n + offs_n
         n_ok = n < Nk
         k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0)       # int8
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale * tl.load(ks_base + start_n // BLOCK_N))  # log2 units
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= offs_m[:, None] + shift)  # j <= i + Nk - Nq
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])                                   # in [0, 1]
@@ -278,8 +287,9 @@ def _check(q, k, v, causal, sm_scale, name="sage_attention"):
         raise ValueError(f"{name}: head dim D={D} must be one of {HEAD_DIMS}")
     if Nq < 1 or Nk < 1:
         raise ValueError(f"{name}: sequence lengths must be at least 1, got Nq={Nq}, Nk={Nk}")
-    if causal:
-        raise ValueError(f"{name}: causal=True is not implemented here (non-causal only)")
+    if causal and Nq > Nk:
+        raise ValueError(f"{name}: causal with Nq={Nq} > Nk={Nk} would leave query rows with no key "
+                         "(bottom-right alignment); give at least as many keys as queries")
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"{name}: sm_scale must be a positive finite number or None, got {sm_scale!r}")
 
@@ -293,7 +303,7 @@ def quantize_inputs(q, k, v, sm_scale: float, *, block_m: int, block_n: int, smo
     return q8, qs, k8, ks, v8, vs
 
 
-def _launch_args(q8, qs, k8, ks, v8, vs, o, *, block_m: int, block_n: int, num_warps: int):
+def _launch_args(q8, qs, k8, ks, v8, vs, o, *, block_m: int, block_n: int, num_warps: int, causal: bool = False):
     """(grid, args, kwargs) of one launch of :func:`_sage_fwd_kernel`, shared with :func:`compile_jobs`."""
     B, Hq, Nq, D = q8.shape
     Hkv, Nk = k8.shape[1], k8.shape[2]
@@ -301,7 +311,7 @@ def _launch_args(q8, qs, k8, ks, v8, vs, o, *, block_m: int, block_n: int, num_w
             k8.stride(2), v8.stride(0), v8.stride(1), v8.stride(2), o.stride(0), o.stride(1), o.stride(2),
             Hq, Hkv, Nq, Nk)
     kwargs = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, EXACT_ROUND=runtime.runtime().interpreted,
-                  TWO_LEVEL=True, num_warps=num_warps)
+                  TWO_LEVEL=True, CAUSAL=causal, num_warps=num_warps)
     return (triton.cdiv(Nq, block_m), B * Hq), args, kwargs
 
 
@@ -324,7 +334,8 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     tau = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     q8, qs, k8, ks, v8, vs = quantize_inputs(q, k, v, tau, block_m=bm, block_n=bn, smooth=smooth_k)
     o = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    grid, args, kwargs = _launch_args(q8, qs, k8, ks, v8, vs, o, block_m=bm, block_n=bn, num_warps=warps)
+    grid, args, kwargs = _launch_args(q8, qs, k8, ks, v8, vs, o, block_m=bm, block_n=bn, num_warps=warps,
+                                      causal=causal)
     _sage_fwd_kernel[grid](*args, **kwargs)
     return o
 

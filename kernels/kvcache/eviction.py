@@ -197,7 +197,8 @@ def compressed_forward(model, idx: torch.Tensor, prompt_len: int, policy: str = 
     """Logits (B, T, V) of ``idx`` (B, T) when the first ``prompt_len`` tokens are prefilled in full,
     their cache cut to ``budget`` tokens per layer and K/V head by ``policy``, and the rest decoded
     against the kept prompt tokens plus every decoded token. Exactly the step-by-step decode, run as one
-    masked forward: prompt rows attend causally; a row i >= P sees key j iff j <= i and (j >= P or j kept).
+    masked forward: prompt rows attend causally to the prompt (their softmax is the prompt attention the
+    policies read); a row i >= P sees key j iff j <= i and (j >= P or j kept).
     Also returns each layer's kept positions (B, Hkv, budget) and the per-layer prompt attention
     (B, Hq, P, P). For "quest" nothing is evicted: each decoded row i keeps its own prompt positions,
     (B, Hkv, T - P, budget) per layer, chosen in pages of ``page``."""
@@ -215,20 +216,22 @@ def compressed_forward(model, idx: torch.Tensor, prompt_len: int, policy: str = 
     kept_all, prompt_attn = [], []
     for blk in model.blocks:
         q, k, v = _qkv(blk, x, pos, cfg)                                                # (B, Hq|Hkv, T, D)
-        scores = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / math.sqrt(D)        # (B, Hq, T, T)
-        pp = torch.softmax(scores[:, :, :P, :P].masked_fill(~causal[:P, :P], float("-inf")), -1)
-        seen = torch.zeros(B, Hkv, T, T, dtype=torch.bool)                              # (B, Hkv, row, key)
+        kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)                  # (B, Hq, T, D)
+        scores = q[:, :, :P] @ kr[:, :, :P].transpose(-1, -2) / math.sqrt(D)          # prompt rows (B, Hq, P, P)
+        pp = torch.softmax(scores.masked_fill(~causal[:P, :P], float("-inf")), -1)     # causal, in full
+        seen = torch.zeros(B, Hkv, T - P, T, dtype=torch.bool)                          # decoded rows (B, Hkv, row, key)
         seen[..., P:] = True                                                            # decoded tokens stay
         if policy in PER_QUERY:
             kept = quest_keep(q[:, :, P:].view(B, Hkv, g, T - P, D), k[:, :, :P], budget, page)
-            seen[:, :, P:].scatter_(3, kept, True)                                      # (B, Hkv, T - P, budget) per row
+            seen.scatter_(3, kept, True)                                                # (B, Hkv, T - P, budget) per row
         else:
             kept = select(policy, pp.view(B, Hkv, g, P, P), budget, **options)         # (B, Hkv, budget)
-            seen.scatter_(3, kept[:, :, None, :].expand(B, Hkv, T, budget), True)
-        allowed = causal & ((pos[:, None] < P) | seen)                                  # (B, Hkv, T, T)
-        allowed = allowed.repeat_interleave(g, 1)
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
-        x = _finish(blk, x, probs @ v.repeat_interleave(g, 1), cfg)
+            seen.scatter_(3, kept[:, :, None, :].expand(B, Hkv, T - P, budget), True)
+        allowed = (causal[P:] & seen).repeat_interleave(g, 1)                           # (B, Hq, T - P, T)
+        scores = q[:, :, P:] @ kr.transpose(-1, -2) / math.sqrt(D)                      # decoded rows (B, Hq, T - P, T)
+        decoded = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        out = torch.cat([pp @ vr[:, :, :P], decoded @ vr], dim=2)                       # a prompt row sees keys < P only
+        x = _finish(blk, x, out, cfg)
         kept_all.append(kept)
         prompt_attn.append(pp)
     return model.norm_f(x) @ model.wte.weight.T, kept_all, prompt_attn
