@@ -299,6 +299,17 @@ def own(fn, *references):
     with "your function calls the course's reference ...; write it yourself"."""
     if not references:
         raise ValueError("own: name at least one reference to refuse")
+    refs = {id(inner): ref for ref in references
+            for inner in _layers(_library_function(ref)[2] if isinstance(ref, str) else ref)}
+    same = next((refs[id(layer)] for layer in _layers(fn) if id(layer) in refs), None)
+    if same is not None:            # the learner's name bound to the reference itself: `from kernels.x import f`
+        refusal = _Refused(same, same if isinstance(same, str) else None)
+
+        @functools.wraps(fn)
+        def bound(*args, **kwargs):
+            raise BorrowedReference(refusal.message.replace("your function calls", "your function is", 1))
+
+        return bound
 
     @functools.wraps(fn)
     def owned(*args, **kwargs):
@@ -306,6 +317,16 @@ def own(fn, *references):
             return fn(*args, **kwargs)
 
     return owned
+
+
+def _layers(fn) -> list:
+    """``fn`` and what it wraps: a ``functools.partial``'s function, a decorator's ``__wrapped__``, a Triton
+    JITFunction's Python function."""
+    out = []
+    while fn is not None and all(fn is not seen for seen in out):
+        out.append(fn)
+        fn = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None) or getattr(fn, "fn", None)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,6 +132,24 @@ def test_check_cases_names_the_failing_case():
         check_cases(lambda x: None, torch.exp, [torch.zeros(2)])
 
 
+def test_a_function_that_is_the_reference_itself_is_refused():
+    """`from kernels.x import f` in the task cell binds the learner's name to the reference: check_cases is
+    handed the reference itself, which no rebinding of names can refuse; `own` compares the function
+    (and what it wraps) with the references first."""
+    import functools
+
+    from kernels.kvcache import eviction
+
+    for borrow in (eviction.streaming_keep, functools.partial(eviction.streaming_keep)):
+        with pytest.raises(BorrowedReference, match=r"your function is the course's reference "
+                                                    r"kernels\.kvcache\.eviction\.streaming_keep; write it yourself"):
+            check_cases(borrow, eviction.streaming_keep, [(32, 8, 4)], refuse=[eviction.streaming_keep])
+    with pytest.raises(BorrowedReference, match=r"your function is torch\.softmax"):
+        check_cases(torch.softmax, torch.softmax, [(torch.randn(2, 3), -1)], refuse=["torch.softmax"])
+    written = lambda P, b, s: torch.cat([torch.arange(s), torch.arange(P - b + s, P)])   # noqa: E731
+    assert check_cases(written, eviction.streaming_keep, [(32, 8, 4)], refuse=[eviction.streaming_keep]) == 1
+
+
 def test_a_library_function_that_is_the_answer_is_refused_under_each_name_given_then_restored():
     x = torch.randn(3, 5)
     names = ["torch.softmax", "torch.nn.functional.softmax", "torch.Tensor.softmax"]

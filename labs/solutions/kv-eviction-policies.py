@@ -20,6 +20,9 @@ def streaming_keep(P, budget, sinks):
     from kernels.kvcache import eviction
     return eviction.streaming_keep(P, budget, sinks)
 
+# %% wrong streaming: imports the course's function under the task's name (no function of its own) | hint: write it yourself
+from kernels.kvcache.eviction import streaming_keep
+
 # %% solution accumulate
 def accumulated_attention(probs):
     return probs.sum(dim=(2, 3))                        # over the group's heads and every query row
@@ -90,3 +93,7 @@ def mean_attention(probs):
     from kernels.kvcache import eviction
     B, Hkv, group, P, _ = probs.shape
     return eviction.accumulated_attention(probs) / (group * (P - torch.arange(P, dtype=probs.dtype)))
+
+# %% wrong mean-attention: calls the check's reference, defined in the lab beside the task | hint: write it yourself
+def mean_attention(probs):
+    return per_look_reference(probs)
