@@ -59,6 +59,17 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return x.float().softmax(-1)
 
+# %% wrong online-softmax: the normaliser from torch.logsumexp (the answer in one call, no recurrence) | hint: your function calls torch.logsumexp
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    return torch.exp(x - torch.logsumexp(x, dim=-1, keepdim=True))
+
+# %% wrong online-softmax: a one-shot safe softmax (max and sum over the whole row: right values, no recurrence) | hint: that is a one-shot softmax, not the online recurrence
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
 # %% solution rms-norm
 @triton.jit
 def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):
