@@ -62,6 +62,13 @@ def h2o_keep(scores, budget, recent):
     head = torch.arange(recent).expand(*scores.shape[:-1], recent)
     return torch.cat([head, heavy], dim=-1).sort(dim=-1).values
 
+# %% wrong h2o: the earlier keys sliced as scores[..., :-recent], empty when recent = 0 | hint: an empty slice (-0 is 0)
+def h2o_keep(scores, budget, recent):
+    P = scores.shape[-1]
+    heavy = scores[..., :-recent].topk(budget - recent, dim=-1).indices
+    window = torch.arange(P - recent, P).expand(*scores.shape[:-1], recent)
+    return torch.cat([heavy, window], dim=-1).sort(dim=-1).values
+
 # %% wrong h2o: calls the course's function | hint: write it yourself
 def h2o_keep(scores, budget, recent):
     import kernels.kvcache.eviction as ev
