@@ -311,12 +311,50 @@ def own(fn, *references):
 
         return bound
 
+    scope = next((layer.__globals__ for layer in reversed(_layers(fn)) if hasattr(layer, "__globals__")), None)
+
     @functools.wraps(fn)
     def owned(*args, **kwargs):
-        with refusing(references, getattr(fn, "__globals__", None)):
+        with refusing(references, scope):
             return fn(*args, **kwargs)
 
     return owned
+
+
+class _Launches:
+    """Stands in for a Triton kernel in a learner's globals and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def launching(fn, kernel: str):
+    """``fn``, a launcher the learner wrote, required to launch the Triton kernel bound to the name ``kernel`` in
+    its globals: a launcher that computes the result in PyTorch instead fails with "... never launched ...".
+    The learner's names (and the references :func:`own` refuses there) are those of ``fn``'s globals."""
+    scope = fn.__globals__
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        real = scope[kernel]
+        scope[kernel] = counter = _Launches(real)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            scope[kernel] = real
+        if not counter.count:
+            raise MismatchError(f"{fn.__name__} never launched {kernel}: the result must come from your Triton kernel, "
+                                "not from PyTorch in the launcher")
+        return out
+
+    return run
 
 
 def _layers(fn) -> list:

@@ -181,3 +181,32 @@ def test_stable_digits_prints_only_digits_every_cpu_agrees_on():
         stable_digits(float("nan"), 2)
     with pytest.raises(ValueError, match="digits and margin"):
         stable_digits(1.0, -1)
+
+
+class _FakeKernel:
+    """kernel[grid](out): fills out with 1, as a Triton launch would write it."""
+
+    def __getitem__(self, grid):
+        return lambda out: out.fill_(1.0)
+
+
+_fake_kernel = _FakeKernel()
+
+
+def _launches(n):
+    out = torch.empty(n)
+    _fake_kernel[(1,)](out)
+    return out
+
+
+def _no_launch(n):
+    return torch.ones(n)
+
+
+def test_launching_refuses_a_launcher_that_computes_in_pytorch_and_restores_the_kernel():
+    from kernels.testing import launching
+
+    assert check_cases(launching(_launches, "_fake_kernel"), torch.ones, [3]) == 1
+    with pytest.raises(MismatchError, match="_no_launch never launched _fake_kernel: the result must come from your Triton kernel"):
+        check_cases(launching(_no_launch, "_fake_kernel"), torch.ones, [3])
+    assert isinstance(_fake_kernel, _FakeKernel)                 # the stand-in is gone after the call

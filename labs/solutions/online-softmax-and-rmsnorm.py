@@ -143,6 +143,16 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     rms_norm_fwd_kernel[(rows,)](x, weight, y, n, x.stride(0), eps, BLOCK_N=triton.next_power_of_2(n))
     return y
 
+# %% wrong rms-norm: the launcher normalises in PyTorch and never launches the kernel | hint: never launched rms_norm_fwd_kernel
+@triton.jit
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):
+    pass
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight.float()
+
 # %% wrong rms-norm: calls the course's RMSNorm | hint: write it yourself
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     from kernels.norm import rms_norm
