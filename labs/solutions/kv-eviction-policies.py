@@ -20,6 +20,9 @@ def streaming_keep(P, budget, sinks):
     from kernels.kvcache import eviction
     return eviction.streaming_keep(P, budget, sinks)
 
+# %% wrong streaming: imports the course's function under the task's name (no function of its own) | hint: write it yourself
+from kernels.kvcache.eviction import streaming_keep
+
 # %% solution accumulate
 def accumulated_attention(probs):
     return probs.sum(dim=(2, 3))                        # over the group's heads and every query row
@@ -59,6 +62,13 @@ def h2o_keep(scores, budget, recent):
     head = torch.arange(recent).expand(*scores.shape[:-1], recent)
     return torch.cat([head, heavy], dim=-1).sort(dim=-1).values
 
+# %% wrong h2o: the earlier keys sliced as scores[..., :-recent], empty when recent = 0 | hint: an empty slice (-0 is 0)
+def h2o_keep(scores, budget, recent):
+    P = scores.shape[-1]
+    heavy = scores[..., :-recent].topk(budget - recent, dim=-1).indices
+    window = torch.arange(P - recent, P).expand(*scores.shape[:-1], recent)
+    return torch.cat([heavy, window], dim=-1).sort(dim=-1).values
+
 # %% wrong h2o: calls the course's function | hint: write it yourself
 def h2o_keep(scores, budget, recent):
     import kernels.kvcache.eviction as ev
@@ -90,3 +100,7 @@ def mean_attention(probs):
     from kernels.kvcache import eviction
     B, Hkv, group, P, _ = probs.shape
     return eviction.accumulated_attention(probs) / (group * (P - torch.arange(P, dtype=probs.dtype)))
+
+# %% wrong mean-attention: calls the check's reference, defined in the lab beside the task | hint: write it yourself
+def mean_attention(probs):
+    return per_look_reference(probs)
