@@ -77,23 +77,43 @@ def h2o_keep(scores, budget, recent):
 # %% solution mean-attention
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    seen_by = group * (P - torch.arange(P, dtype=probs.dtype))   # key j is seen by rows j .. P-1 of each head
-    return accumulated_attention(probs) / seen_by
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]   # row i against a uniform row of i + 1 keys
+    seen_by = group * (P - torch.arange(P, dtype=probs.dtype))             # key j is seen by rows j .. P-1 of each head
+    return accumulated_attention(relative) / seen_by
+
+# %% wrong mean-attention: the raw attention per look, rows not weighed against a uniform row | hint: raw attention per look
+def mean_attention(probs):
+    B, Hkv, group, P, _ = probs.shape
+    return accumulated_attention(probs) / (group * (P - torch.arange(P, dtype=probs.dtype)))
+
+# %% wrong mean-attention: weighs row i by i, not i + 1 | hint: weigh row i by i, not i + 1
+def mean_attention(probs):
+    B, Hkv, group, P, _ = probs.shape
+    relative = probs * torch.arange(P, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (group * (P - torch.arange(P, dtype=probs.dtype)))
 
 # %% wrong mean-attention: divides every key by P, the number of query rows | hint: P for every key
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    return accumulated_attention(probs) / (group * P)
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (group * P)
 
 # %% wrong mean-attention: counts the rows after key j, not row j itself | hint: off-by-one count, P - j - 1
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    return accumulated_attention(probs) / (group * (P - 1 - torch.arange(P)).clamp(min=1))
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (group * (P - 1 - torch.arange(P)).clamp(min=1))
 
 # %% wrong mean-attention: divides by the rows of one head, forgetting the group | hint: a count without the group
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    return accumulated_attention(probs) / (P - torch.arange(P, dtype=probs.dtype))
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (P - torch.arange(P, dtype=probs.dtype))
+
+# %% wrong mean-attention: calls the chapter's h2o-mean score, divided by the group | hint: write it yourself
+def mean_attention(probs):
+    from kernels.kvcache import eviction
+    return eviction.mean_attention(probs) / probs.shape[2]
 
 # %% wrong mean-attention: calls the course's accumulated score | hint: write it yourself
 def mean_attention(probs):
