@@ -34,6 +34,18 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
         m = m_new
     return torch.exp(x - m) / l
 
+# %% wrong online-softmax: the rescale factor inverted, exp(m' - m) (inf x 0 in the first block) | hint: the inverted exp(m' - m)
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    m = torch.full((*x.shape[:-1], 1), float("-inf"))
+    l = torch.zeros((*x.shape[:-1], 1))
+    for start in range(0, x.shape[-1], block):
+        blk = x[..., start:start + block]
+        m_new = torch.maximum(m, blk.amax(dim=-1, keepdim=True))
+        l = l * torch.exp(m_new - m) + torch.exp(blk - m_new).sum(dim=-1, keepdim=True)
+        m = m_new
+    return torch.exp(x - m) / l
+
 # %% wrong online-softmax: the running max starts at 0 instead of -inf | hint: must start at -inf
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     x = x.float()
