@@ -299,13 +299,72 @@ def own(fn, *references):
     with "your function calls the course's reference ...; write it yourself"."""
     if not references:
         raise ValueError("own: name at least one reference to refuse")
+    refs = {id(inner): ref for ref in references
+            for inner in _layers(_library_function(ref)[2] if isinstance(ref, str) else ref)}
+    same = next((refs[id(layer)] for layer in _layers(fn) if id(layer) in refs), None)
+    if same is not None:            # the learner's name bound to the reference itself: `from kernels.x import f`
+        refusal = _Refused(same, same if isinstance(same, str) else None)
+
+        @functools.wraps(fn)
+        def bound(*args, **kwargs):
+            raise BorrowedReference(refusal.message.replace("your function calls", "your function is", 1))
+
+        return bound
+
+    scope = next((layer.__globals__ for layer in reversed(_layers(fn)) if hasattr(layer, "__globals__")), None)
 
     @functools.wraps(fn)
     def owned(*args, **kwargs):
-        with refusing(references, getattr(fn, "__globals__", None)):
+        with refusing(references, scope):
             return fn(*args, **kwargs)
 
     return owned
+
+
+class _Launches:
+    """Stands in for a Triton kernel in a learner's globals and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def launching(fn, kernel: str):
+    """``fn``, a launcher the learner wrote, required to launch the Triton kernel bound to the name ``kernel`` in
+    its globals: a launcher that computes the result in PyTorch instead fails with "... never launched ...".
+    The learner's names (and the references :func:`own` refuses there) are those of ``fn``'s globals."""
+    scope = fn.__globals__
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        real = scope[kernel]
+        scope[kernel] = counter = _Launches(real)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            scope[kernel] = real
+        if not counter.count:
+            raise MismatchError(f"{fn.__name__} never launched {kernel}: the result must come from your Triton kernel, "
+                                "not from PyTorch in the launcher")
+        return out
+
+    return run
+
+
+def _layers(fn) -> list:
+    """``fn`` and what it wraps: a ``functools.partial``'s function, a decorator's ``__wrapped__``, a Triton
+    JITFunction's Python function."""
+    out = []
+    while fn is not None and all(fn is not seen for seen in out):
+        out.append(fn)
+        fn = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None) or getattr(fn, "fn", None)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,6 +132,24 @@ def test_check_cases_names_the_failing_case():
         check_cases(lambda x: None, torch.exp, [torch.zeros(2)])
 
 
+def test_a_function_that_is_the_reference_itself_is_refused():
+    """`from kernels.x import f` in the task cell binds the learner's name to the reference: check_cases is
+    handed the reference itself, which no rebinding of names can refuse; `own` compares the function
+    (and what it wraps) with the references first."""
+    import functools
+
+    from kernels.kvcache import eviction
+
+    for borrow in (eviction.streaming_keep, functools.partial(eviction.streaming_keep)):
+        with pytest.raises(BorrowedReference, match=r"your function is the course's reference "
+                                                    r"kernels\.kvcache\.eviction\.streaming_keep; write it yourself"):
+            check_cases(borrow, eviction.streaming_keep, [(32, 8, 4)], refuse=[eviction.streaming_keep])
+    with pytest.raises(BorrowedReference, match=r"your function is torch\.softmax"):
+        check_cases(torch.softmax, torch.softmax, [(torch.randn(2, 3), -1)], refuse=["torch.softmax"])
+    written = lambda P, b, s: torch.cat([torch.arange(s), torch.arange(P - b + s, P)])   # noqa: E731
+    assert check_cases(written, eviction.streaming_keep, [(32, 8, 4)], refuse=[eviction.streaming_keep]) == 1
+
+
 def test_a_library_function_that_is_the_answer_is_refused_under_each_name_given_then_restored():
     x = torch.randn(3, 5)
     names = ["torch.softmax", "torch.nn.functional.softmax", "torch.Tensor.softmax"]
@@ -163,3 +181,32 @@ def test_stable_digits_prints_only_digits_every_cpu_agrees_on():
         stable_digits(float("nan"), 2)
     with pytest.raises(ValueError, match="digits and margin"):
         stable_digits(1.0, -1)
+
+
+class _FakeKernel:
+    """kernel[grid](out): fills out with 1, as a Triton launch would write it."""
+
+    def __getitem__(self, grid):
+        return lambda out: out.fill_(1.0)
+
+
+_fake_kernel = _FakeKernel()
+
+
+def _launches(n):
+    out = torch.empty(n)
+    _fake_kernel[(1,)](out)
+    return out
+
+
+def _no_launch(n):
+    return torch.ones(n)
+
+
+def test_launching_refuses_a_launcher_that_computes_in_pytorch_and_restores_the_kernel():
+    from kernels.testing import launching
+
+    assert check_cases(launching(_launches, "_fake_kernel"), torch.ones, [3]) == 1
+    with pytest.raises(MismatchError, match="_no_launch never launched _fake_kernel: the result must come from your Triton kernel"):
+        check_cases(launching(_no_launch, "_fake_kernel"), torch.ones, [3])
+    assert isinstance(_fake_kernel, _FakeKernel)                 # the stand-in is gone after the call

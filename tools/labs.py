@@ -23,7 +23,9 @@ those references refused (``check_cases(..., refuse=...)``, ``kernels.testing.ow
 that block is the refusal's "write it yourself". A library function that is the task's answer in one
 call (``torch.softmax``) is refused the same way, named by its dotted path in ``refuse=``. Triton
 kernels run bounds-checked (``kernels.testing.bounds_checked``), so a wrong block may also model an
-unmasked lane whose value never shows in the result.
+unmasked lane whose value never shows in the result; a launcher the learner writes is checked with
+``kernels.testing.launching``, so one that computes the result in PyTorch instead of launching the
+kernel fails.
 """
 from __future__ import annotations
 

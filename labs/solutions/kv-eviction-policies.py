@@ -20,6 +20,9 @@ def streaming_keep(P, budget, sinks):
     from kernels.kvcache import eviction
     return eviction.streaming_keep(P, budget, sinks)
 
+# %% wrong streaming: imports the course's function under the task's name (no function of its own) | hint: write it yourself
+from kernels.kvcache.eviction import streaming_keep
+
 # %% solution accumulate
 def accumulated_attention(probs):
     return probs.sum(dim=(2, 3))                        # over the group's heads and every query row
@@ -59,6 +62,13 @@ def h2o_keep(scores, budget, recent):
     head = torch.arange(recent).expand(*scores.shape[:-1], recent)
     return torch.cat([head, heavy], dim=-1).sort(dim=-1).values
 
+# %% wrong h2o: the earlier keys sliced as scores[..., :-recent], empty when recent = 0 | hint: an empty slice (-0 is 0)
+def h2o_keep(scores, budget, recent):
+    P = scores.shape[-1]
+    heavy = scores[..., :-recent].topk(budget - recent, dim=-1).indices
+    window = torch.arange(P - recent, P).expand(*scores.shape[:-1], recent)
+    return torch.cat([heavy, window], dim=-1).sort(dim=-1).values
+
 # %% wrong h2o: calls the course's function | hint: write it yourself
 def h2o_keep(scores, budget, recent):
     import kernels.kvcache.eviction as ev
@@ -67,26 +77,50 @@ def h2o_keep(scores, budget, recent):
 # %% solution mean-attention
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    seen_by = group * (P - torch.arange(P, dtype=probs.dtype))   # key j is seen by rows j .. P-1 of each head
-    return accumulated_attention(probs) / seen_by
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]   # row i against a uniform row of i + 1 keys
+    seen_by = group * (P - torch.arange(P, dtype=probs.dtype))             # key j is seen by rows j .. P-1 of each head
+    return accumulated_attention(relative) / seen_by
+
+# %% wrong mean-attention: the raw attention per look, rows not weighed against a uniform row | hint: raw attention per look
+def mean_attention(probs):
+    B, Hkv, group, P, _ = probs.shape
+    return accumulated_attention(probs) / (group * (P - torch.arange(P, dtype=probs.dtype)))
+
+# %% wrong mean-attention: weighs row i by i, not i + 1 | hint: weigh row i by i, not i + 1
+def mean_attention(probs):
+    B, Hkv, group, P, _ = probs.shape
+    relative = probs * torch.arange(P, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (group * (P - torch.arange(P, dtype=probs.dtype)))
 
 # %% wrong mean-attention: divides every key by P, the number of query rows | hint: P for every key
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    return accumulated_attention(probs) / (group * P)
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (group * P)
 
 # %% wrong mean-attention: counts the rows after key j, not row j itself | hint: off-by-one count, P - j - 1
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    return accumulated_attention(probs) / (group * (P - 1 - torch.arange(P)).clamp(min=1))
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (group * (P - 1 - torch.arange(P)).clamp(min=1))
 
 # %% wrong mean-attention: divides by the rows of one head, forgetting the group | hint: a count without the group
 def mean_attention(probs):
     B, Hkv, group, P, _ = probs.shape
-    return accumulated_attention(probs) / (P - torch.arange(P, dtype=probs.dtype))
+    relative = probs * torch.arange(1, P + 1, dtype=probs.dtype)[:, None]
+    return accumulated_attention(relative) / (P - torch.arange(P, dtype=probs.dtype))
+
+# %% wrong mean-attention: calls the chapter's h2o-mean score, divided by the group | hint: write it yourself
+def mean_attention(probs):
+    from kernels.kvcache import eviction
+    return eviction.mean_attention(probs) / probs.shape[2]
 
 # %% wrong mean-attention: calls the course's accumulated score | hint: write it yourself
 def mean_attention(probs):
     from kernels.kvcache import eviction
     B, Hkv, group, P, _ = probs.shape
     return eviction.accumulated_attention(probs) / (group * (P - torch.arange(P, dtype=probs.dtype)))
+
+# %% wrong mean-attention: calls the check's reference, defined in the lab beside the task | hint: write it yourself
+def mean_attention(probs):
+    return per_look_reference(probs)

@@ -77,6 +77,16 @@ def block_sums(x, block=64):
     block_sums_kernel[(n // block,)](x, out, n, BLOCK=block)
     return out
 
+# %% wrong block-sums: the launcher sums the blocks in PyTorch and never launches the kernel | hint: never launched block_sums_kernel
+@triton.jit
+def block_sums_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pass
+
+
+def block_sums(x, block=64):
+    pad = (-x.numel()) % block
+    return torch.cat([x, x.new_zeros(pad)]).view(-1, block).sum(1)
+
 # %% wrong block-sums: calls the check's reference | hint: write it yourself
 def block_sums(x, block=64):
     return block_sums_ref(x, block)

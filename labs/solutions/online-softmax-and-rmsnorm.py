@@ -34,6 +34,18 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
         m = m_new
     return torch.exp(x - m) / l
 
+# %% wrong online-softmax: the rescale factor inverted, exp(m' - m) (inf x 0 in the first block) | hint: the inverted exp(m' - m)
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    m = torch.full((*x.shape[:-1], 1), float("-inf"))
+    l = torch.zeros((*x.shape[:-1], 1))
+    for start in range(0, x.shape[-1], block):
+        blk = x[..., start:start + block]
+        m_new = torch.maximum(m, blk.amax(dim=-1, keepdim=True))
+        l = l * torch.exp(m_new - m) + torch.exp(blk - m_new).sum(dim=-1, keepdim=True)
+        m = m_new
+    return torch.exp(x - m) / l
+
 # %% wrong online-softmax: the running max starts at 0 instead of -inf | hint: must start at -inf
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     x = x.float()
@@ -58,6 +70,17 @@ def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
 # %% wrong online-softmax: the same through the tensor method | hint: your function calls torch.Tensor.softmax
 def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return x.float().softmax(-1)
+
+# %% wrong online-softmax: the normaliser from torch.logsumexp (the answer in one call, no recurrence) | hint: your function calls torch.logsumexp
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    return torch.exp(x - torch.logsumexp(x, dim=-1, keepdim=True))
+
+# %% wrong online-softmax: a one-shot safe softmax (max and sum over the whole row: right values, no recurrence) | hint: that is a one-shot softmax, not the online recurrence
+def online_softmax(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    x = x.float()
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
 
 # %% solution rms-norm
 @triton.jit
@@ -131,6 +154,16 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     rms_norm_fwd_kernel[(rows,)](x, weight, y, n, x.stride(0), eps, BLOCK_N=triton.next_power_of_2(n))
     return y
+
+# %% wrong rms-norm: the launcher normalises in PyTorch and never launches the kernel | hint: never launched rms_norm_fwd_kernel
+@triton.jit
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, n, stride_row, eps, BLOCK_N: tl.constexpr):
+    pass
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight.float()
 
 # %% wrong rms-norm: calls the course's RMSNorm | hint: write it yourself
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -146,3 +146,7 @@ def plan_step(running, waiting, free_pages, P, max_tokens):
     from kernels.serving.scheduler import Scheduler
     sched = Scheduler(BlockAllocator(free_pages + sum(h for *_, h in running), P), max_tokens=max_tokens)
     return [(w.seq.id, len(w.tokens)) for w in sched.schedule()], []
+
+# %% wrong plan-step: calls the lab's slip model with an option that models no slip | hint: write it yourself
+def plan_step(running, waiting, free_pages, P, max_tokens):
+    return slipped_plan(running, waiting, free_pages, P, max_tokens, pages="all")
