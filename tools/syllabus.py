@@ -51,5 +51,6 @@ KERNEL_PACKAGES = {
     "moe": "moe",
 }
 # Modules at the top of ``kernels`` that serve every part: the device, the checks, compilation,
-# its shared build cache, timing, the row-kernel layout helpers and the CUDA driver loader.
-INFRASTRUCTURE_MODULES = {"runtime", "testing", "inspect", "aot_cache", "bench", "rows", "cuda_launch"}
+# its shared build cache, timing, the bytes of live tensors (a measuring tool that parts 01 and 11 use),
+# the row-kernel layout helpers and the CUDA driver loader.
+INFRASTRUCTURE_MODULES = {"runtime", "testing", "inspect", "aot_cache", "bench", "tensor_memory", "rows", "cuda_launch"}
