@@ -46,12 +46,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from kernels.kvcache import eviction as ev
 from kernels.model.gpt import GPT, GPTConfig
-from kernels.model.train import lr_at, param_groups
+from kernels.model.train import lr_at, param_groups, train_step
 
 FILLER, KEYS, VALUES = 16, 16, 16          # token ids: filler 0..15, keys 16..31, facts 32..287
 KEY0 = FILLER
@@ -120,12 +119,7 @@ def train(seed: int, *, steps: int = TRAIN["steps"], progress: bool = True) -> t
         for group in opt.param_groups:
             group["lr"] = lr
         x, y, _ = recall_batch(TRAIN["batch_size"], gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())                 # -100 rows ignored
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, x, y).item())                       # -100 rows ignored
     return model.eval(), losses
 
 
