@@ -38,7 +38,7 @@ TF32 would round the keys to 10 mantissa bits.
 
 With a window, tiles wholly before lo_b are never visited: the loop starts at tile lo_b // BLOCK_S,
 and the positions of that first tile before lo_b are masked (neither their table entries nor their
-keys are loaded). The design follows vLLM's paged attention (vllm-project/vllm@cc17020a,
+keys are loaded). The design follows vLLM's paged attention (vllm-project/vllm@d7e5edb1,
 csrc/attention/paged_attention_v1.cu: block_tables); the code is written fresh.
 """
 from __future__ import annotations
