@@ -78,6 +78,24 @@ def test_forward_modes_differ_and_reject_unknown():
         ex.forward(model, idx, "sinusoidal")
 
 
+def test_forward_returns_the_attention_probabilities_it_uses():
+    """probs (V = I) are causal rows summing to 1, leave the logits unchanged, and carry the bias:
+    the ALiBi model's probabilities differ from the same weights' NoPE probabilities."""
+    torch.manual_seed(0)
+    model = ex.GPT(ex.CONFIG).eval()
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        got = {m: [] for m in ("alibi", "nope")}
+        logits = {m: ex.forward(model, idx, m, probs=got[m]) for m in got}
+        assert torch.equal(logits["alibi"], ex.forward(model, idx, "alibi"))
+    for p in got["alibi"]:
+        assert p.shape == (2, ex.CONFIG.n_head, 12, 12)
+        assert torch.allclose(p.sum(-1), torch.ones(2, ex.CONFIG.n_head, 12))
+        assert torch.all(p.triu(1) == 0)
+    assert len(got["alibi"]) == ex.CONFIG.n_layer
+    assert not torch.allclose(got["alibi"][0], got["nope"][0])
+
+
 def test_a_few_training_steps_lower_the_loss():
     _, losses = ex.train("alibi", steps=6)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

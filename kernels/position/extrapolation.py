@@ -39,8 +39,11 @@ EVAL_TOKENS = 4096                       # per length: 4096 / L windows of the h
 OUT_DIR = Path(__file__).resolve().parents[2] / "models" / "position-extrapolation"
 
 
-def forward(model: GPT, idx: torch.Tensor, mode: str) -> torch.Tensor:
-    """Logits of ``model`` with position given by ``mode`` (one of MODES)."""
+def forward(model: GPT, idx: torch.Tensor, mode: str, probs: list | None = None) -> torch.Tensor:
+    """Logits of ``model`` with position given by ``mode`` (one of MODES).
+
+    With a list ``probs``, each layer's attention probabilities (B, Hq, T, T) are appended to it.
+    """
     if mode not in MODES:
         raise ValueError(f"forward: mode must be one of {MODES}, got {mode!r}")
     cfg = model.config
@@ -57,6 +60,9 @@ def forward(model: GPT, idx: torch.Tensor, mode: str) -> torch.Tensor:
         if mode == "rope":
             q, k = rope_ref(q, k, cos, sin)
         o = alibi_attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), slopes, causal=True)
+        if probs is not None:                                             # P = attention applied to V = I
+            eye = torch.eye(T, device=idx.device).expand(B, Hkv, T, T)
+            probs.append(alibi_attention_ref(q.transpose(1, 2), k.transpose(1, 2), eye, slopes, causal=True))
         a = attn.wo(o.transpose(1, 2).reshape(B, T, Hq * D))
         x, hn = add_rms_norm_torch(x, a, block.norm2.weight, cfg.norm_eps)
         x = x + block.mlp(hn)
