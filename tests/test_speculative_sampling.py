@@ -257,13 +257,15 @@ def _loop_body(sass: str) -> list[str]:
 
 def test_the_vocabulary_loop_is_instruction_bound(aot):
     """The chapter's time estimate: one iteration of the vocabulary loop (1024 tokens, 8 per thread)
-    issues more than 1500 SASS instructions per warp (Philox and the logarithms per token) against
-    four 128-bit loads per thread, so one program per sequence is bound by issue, not by its share of
+    issues more than 1500 SASS instructions per warp (Philox and the logarithms per token, in software:
+    no MUFU) against four 128-bit loads per thread, with 4 warps, so one program per sequence is bound by issue, not by its share of
     HBM bandwidth. The loop finder itself refuses a listing without a loop."""
     jobs, builds = aot
     for label in jobs:
         body = _loop_body(builds[label]["sm90"].sass)
         assert len(body) > 1500, (label, len(body))
         assert sum(op.startswith("LDG.E.128") for op in body) == 4, label
+        assert not any(op.startswith("MUFU") for op in body), label       # the logarithms are FFMA polynomials
+        assert jobs[label].num_warps == 4, label                          # one warp per scheduler of the SM
     with pytest.raises(ValueError, match="no loop"):
         _loop_body("/*0000*/ MOV R1, c[0x0][0x28] ;\n/*0010*/ EXIT ;\n/*0020*/ BRA 0x20;\n")
