@@ -6,6 +6,7 @@ at Llama 3's vocabulary without spills, with the batch offset multiplied in 64 b
 from __future__ import annotations
 
 import random
+import re
 from fractions import Fraction
 
 import pytest
@@ -239,3 +240,32 @@ def test_batch_offset_is_a_64bit_product(aot):
     for label in jobs:
         runtime_args = [n for n, kind in jobs[label].signature.items() if kind != "constexpr"]
         assert ki.param_product_widths(builds[label]["sm90"], runtime_args.index("stride_pb")) == {64}
+
+
+def _loop_body(sass: str) -> list[str]:
+    """The opcodes of the longest loop in a SASS listing: from the target of its backward branch to
+    the branch. Raises if the listing has no backward branch."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*[^;]*);", sass)]
+    back = [(at, int(t, 16)) for at, text in ins for t in re.findall(r"\bBRA(?:\.U)?\s+0x([0-9a-f]+)", text)
+            if int(t, 16) < at]
+    if not back:
+        raise ValueError("no backward branch: no loop in this listing")
+    end, start = max(back, key=lambda b: b[0] - b[1])
+    return [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for at, text in ins if start <= at <= end]
+
+
+def test_the_vocabulary_loop_is_instruction_bound(aot):
+    """The chapter's time estimate: one iteration of the vocabulary loop (1024 tokens, 8 per thread)
+    issues more than 1500 SASS instructions per warp (Philox and the logarithms per token, in software:
+    no MUFU) against four 128-bit loads per thread, with 4 warps, so one program per sequence is bound by issue, not by its share of
+    HBM bandwidth. The loop finder itself refuses a listing without a loop."""
+    jobs, builds = aot
+    for label in jobs:
+        body = _loop_body(builds[label]["sm90"].sass)
+        assert len(body) > 1500, (label, len(body))
+        assert sum(op.startswith("LDG.E.128") for op in body) == 4, label
+        assert not any(op.startswith("MUFU") for op in body), label       # the logarithms are FFMA polynomials
+        assert jobs[label].num_warps == 4, label                          # one warp per scheduler of the SM
+    with pytest.raises(ValueError, match="no loop"):
+        _loop_body("/*0000*/ MOV R1, c[0x0][0x28] ;\n/*0010*/ EXIT ;\n/*0020*/ BRA 0x20;\n")
