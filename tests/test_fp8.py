@@ -231,3 +231,13 @@ def test_an_n_major_b_is_transposed_in_registers_on_hopper(builds):
     assert not pinned_triton() or n_major.families()["PRMT"] > 100 > k_major.families()["PRMT"]   # Triton 3.6: 64
     assert n_major.metadata["registers"] > k_major.metadata["registers"]
     assert n_major.async_copies["LDGSTS"] < k_major.async_copies["LDGSTS"]
+
+
+def test_fp8_training_arms_start_from_the_same_weights():
+    """The training comparison's arms differ only in their GEMMs: same initialization at a seed."""
+    from kernels.quant import fp8_training as FT
+    ref, hybrid = FT.make_model("fp32", 0).state_dict(), FT.make_model("fp8 hybrid", 0).state_dict()
+    assert ref.keys() == hybrid.keys() and all(torch.equal(ref[k], hybrid[k]) for k in ref)
+    assert not torch.equal(ref["wte.weight"], FT.make_model("fp32", 1).state_dict()["wte.weight"])
+    with pytest.raises(ValueError, match="arm"):
+        FT.make_model("bf16", 0)

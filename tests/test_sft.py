@@ -81,3 +81,36 @@ def test_committed_sft_checkpoint_scores_its_recorded_accuracy():
     acc = task.accuracy(sft.load_sft(), held)
     assert abs(acc - meta["held_out_accuracy"]) <= 0.01     # 5 of 500 answers may flip on another CPU
     assert (sft.OUT_DIR / "sft" / "model.pt").stat().st_size < 2_000_000
+
+
+def test_multi_turn_mask_scores_every_assistant_turn_only():
+    x, y = sft.multi_turn_example([(7, 45)])
+    x1, y1 = sft.example(7, 45)
+    assert torch.equal(x, x1) and torch.equal(y, y1)                 # one turn is the single-turn example
+    x, y = sft.multi_turn_example([(7, 45), (99, 1)])
+    assert bytes(y[y != sft.IGNORE].tolist()) == b"52\x03100\x03"    # both answers and both ENDs, no user byte
+    _, y_all = sft.multi_turn_example([(7, 45), (99, 1)], mask_prompt=False)
+    assert (y_all != sft.IGNORE).all()
+
+
+def test_cu_seqlens_are_the_packed_examples_boundaries():
+    examples = [sft.example(a, b) for a, b in [(3, 4), (57, 88), (12, 9), (99, 99), (1, 2)]]
+    packed = sft.pack(examples, 40)
+    cu, longest = sft.cu_seqlens(packed["seq"])
+    lengths = [len(x) for x, _ in examples]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert longest == max(lengths)
+
+
+def test_answer_normalised_loss_gives_answers_the_masked_weight():
+    """Scoring the prompt but dividing by the answer targets: each answer logit's gradient equals the
+    masked loss's; with the prompt masked the two losses are equal."""
+    b = sft.batch(task.split_pairs()[0], 6, torch.Generator().manual_seed(0), 64, mask_prompt=False)
+    logits = torch.randn(*b["ids"].shape, 256, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g_norm, = torch.autograd.grad(sft.answer_normalised_loss(logits, b["targets"], b["answer"]), logits)
+    g_mask, = torch.autograd.grad(sft.masked_loss(logits, b["answer"]), logits)
+    on_answer = b["answer"] != sft.IGNORE
+    assert torch.allclose(g_norm[on_answer], g_mask[on_answer], atol=1e-7)
+    assert torch.allclose(sft.answer_normalised_loss(logits, b["answer"], b["answer"]), sft.masked_loss(logits, b["answer"]))
+    g_tokens, = torch.autograd.grad(sft.masked_loss(logits, b["targets"]), logits)
+    assert not torch.allclose(g_tokens[on_answer], g_mask[on_answer], atol=1e-7)   # the per-token mean dilutes them

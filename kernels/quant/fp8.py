@@ -139,7 +139,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt="e4m3") -> torch.
     """q = fp8(clamp(x / scale, -max, max)), in PyTorch (the interpreter's fp32-to-fp8 store does not
     round correctly). The clamp comes *before* the cast, as production casts do: what a cast does with
     an out-of-range value depends on the path (PyTorch 2.13's ``.to`` saturates E4M3 and sends E5M2 to
-    infinity, ``torch.full`` raises, older PyTorch returned NaN for E4M3 values >= 480), a clamp does not."""
+    infinity, ``Tensor.fill_`` refuses, older PyTorch returned NaN for E4M3 values >= 480), a clamp does not."""
     f8 = _fmt(fmt)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     return (x.float() / s).clamp(-f8.max, f8.max).to(f8.torch_dtype)

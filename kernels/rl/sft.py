@@ -12,7 +12,9 @@ own conversation* (a block-diagonal causal mask), and each conversation's positi
 
 ``python -m kernels.rl.sft`` fine-tunes models/tiny-gpt on the addition task and writes
 models/rl/sft/ (checkpoint in fp16, log.csv, metrics.json); ``--no-mask`` trains the same run
-without the loss mask into models/rl/sft-nomask/ (log and metrics only).
+without the loss mask into models/rl/sft-nomask/ (log and metrics only). ``--control`` runs the
+mask experiment's control (:func:`control_runs`): masked, unmasked, and unmasked with the loss
+divided by the number of answer targets, at three seeds each, into models/rl/sft-control/runs.json.
 """
 from __future__ import annotations
 
@@ -44,6 +46,23 @@ def example(a: int, b: int, *, mask_prompt: bool = True) -> tuple[torch.Tensor, 
     x, y = ids[:-1], ids[1:].clone()
     if mask_prompt:
         y[: task.PROMPT_LEN - 1] = IGNORE        # targets 1..PROMPT_LEN-1 are the prompt's own bytes
+    return x, y
+
+
+def multi_turn_example(pairs: list[tuple[int, int]], *, mask_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x (L,), y (L,)) of a conversation of several turns, one addition per turn, rendered one after
+    the other. With ``mask_prompt`` every target that is not an assistant byte (answer or END) is
+    IGNORE: the user's turns, the assistant markers, and the USER byte that follows an END. One turn
+    gives :func:`example`."""
+    ids, assistant = [], []
+    for a, b in pairs:
+        turn = task.render(a, b, str(a + b))
+        ids += turn
+        assistant += [False] * task.PROMPT_LEN + [True] * (len(turn) - task.PROMPT_LEN)
+    ids, assistant = torch.tensor(ids), torch.tensor(assistant)
+    x, y = ids[:-1], ids[1:].clone()
+    if mask_prompt:
+        y[~assistant[1:]] = IGNORE
     return x, y
 
 
@@ -84,6 +103,16 @@ def packed_mask(seq: torch.Tensor) -> torch.Tensor:
     return causal & (seq[:, :, None] == seq[:, None, :])
 
 
+def cu_seqlens(seq: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The packed batch as a variable-length (varlen) attention kernel takes it: the rows flattened,
+    padding (seq = -1) dropped, and the boundaries of the examples as cumulative lengths, int32
+    (examples + 1,) starting at 0, with the longest example's length."""
+    lengths = [int((row == k).sum()) for row in seq for k in range(int(row.max()) + 1)]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu, max(lengths)
+
+
 def packed_forward(model: GPT, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The tiny GPT's forward (pure PyTorch path) with explicit positions (R, T) and attention mask
     (R, T, T): logits (R, T, V). With positions = arange and a causal mask it is ``model(ids)``."""
@@ -111,6 +140,14 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+def answer_normalised_loss(logits: torch.Tensor, targets: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over every scored target (prompt and answer), divided by the number of
+    *answer* targets: each answer token gets the weight 1 / N_answer it gets in the masked loss,
+    and the prompt's tokens are added on top. With the prompt masked it equals :func:`masked_loss`."""
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total / (answer != IGNORE).sum()
+
+
 def answer_targets(targets_masked: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The masked targets (answer tokens only), for measuring the answer loss of any run."""
     return torch.where(targets_masked == IGNORE, torch.full_like(targets, IGNORE), targets)
@@ -125,11 +162,15 @@ def batch(pairs: torch.Tensor, n: int, gen: torch.Generator, block_size: int, ma
 
 
 def train_sft(out_dir: Path | None, *, steps: int = 800, examples_per_step: int = 96, lr: float = 1e-3,
-              mask_prompt: bool = True, eval_every: int = 25, seed: int = 0, threads: int = 1,
-              progress: bool = True, stop_after: int | None = None) -> dict:
+              mask_prompt: bool = True, norm: str = "tokens", eval_every: int = 25, seed: int = 0,
+              threads: int = 1, progress: bool = True, stop_after: int | None = None) -> dict:
     """Fine-tune the pretrained tiny GPT on packed addition conversations; returns {"log": rows, "model": GPT}.
+    ``norm`` is what the loss divides by: "tokens", the scored targets (:func:`masked_loss`), or
+    "answer", the answer targets (:func:`answer_normalised_loss`; differs only without the mask).
     Writes log.csv, metrics.json (and, for the masked run, model.pt in fp16) to ``out_dir`` when given.
     ``stop_after`` ends the run early (the schedule still assumes ``steps``): a few steps to check a log."""
+    if norm not in ("tokens", "answer"):
+        raise ValueError(f"train_sft: norm must be 'tokens' or 'answer', got {norm!r}")
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     model = load_pretrained().train()
@@ -144,7 +185,8 @@ def train_sft(out_dir: Path | None, *, steps: int = 800, examples_per_step: int 
             group["lr"] = lr_at(step - 1, max_lr=lr, min_lr=lr / 10, warmup=50, total=steps)
         b = batch(train_pairs, examples_per_step, gen, model.config.block_size, mask_prompt)
         logits = packed_forward(model, b["ids"], b["positions"], packed_mask(b["seq"]))
-        loss = masked_loss(logits, b["targets"])
+        loss = (masked_loss(logits, b["targets"]) if norm == "tokens"
+                else answer_normalised_loss(logits, b["targets"], b["answer"]))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -183,6 +225,43 @@ def save_run(out_dir: Path, model: GPT, log: list[dict], meta: dict, *, checkpoi
     (out_dir / "metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+@torch.no_grad()
+def held_out_answer_nll(model: GPT, pairs: torch.Tensor) -> float:
+    """Mean negative log-likelihood (nats) of the answer tokens of ``pairs``, teacher-forced: a
+    continuous score of how well the answers are learned, less noisy than greedy accuracy."""
+    b = pack([example(a, c) for a, c in pairs.tolist()], model.config.block_size)
+    logits = packed_forward(model, b["ids"], b["positions"], packed_mask(b["seq"]))
+    return float(masked_loss(logits, b["targets"]))
+
+
+CONTROL_ARMS = {"masked": dict(mask_prompt=True, norm="tokens"),
+                "unmasked": dict(mask_prompt=False, norm="tokens"),
+                "unmasked, answer-normalised": dict(mask_prompt=False, norm="answer")}
+CONTROL_RUN = dict(steps=150, examples_per_step=32)
+
+
+def control_runs(seeds: tuple[int, ...] = (0, 1, 2), arms: tuple[str, ...] = tuple(CONTROL_ARMS),
+                 threads: int = 1) -> dict:
+    """The mask experiment with its control, much shorter than the main run (CONTROL_RUN: 150 steps of
+    32 conversations, a sixteenth of its conversations) so that nine runs take minutes on one core. Per run: the final held-out greedy accuracy, the
+    held-out answer NLL, and the mean training answer loss of the last 50 steps. Each run is seeded
+    and single-threaded, so runs of a subset of ``arms`` (in parallel processes) give the same numbers."""
+    start = time.perf_counter()
+    _, held_out = task.split_pairs()
+    runs = []
+    for arm in arms:
+        for seed in seeds:
+            out = train_sft(None, **CONTROL_RUN, **CONTROL_ARMS[arm], seed=seed, threads=threads, eval_every=10**9, progress=False)
+            log = out["log"]
+            runs.append({"arm": arm, "seed": seed, "held_out_accuracy": log[-1]["held_out_accuracy"],
+                         "held_out_answer_nll": round(held_out_answer_nll(out["model"], held_out), 5),
+                         "train_answer_loss_last50": round(sum(r["answer_loss"] for r in log[-50:]) / 50, 5),
+                         "first_losses": [r["loss"] for r in log[1:4]]})
+    return {**CONTROL_RUN, "lr": 1e-3, "seeds": list(seeds), "threads": threads, "torch": torch.__version__,
+            "seconds": round(time.perf_counter() - start, 1), "command": "python -m kernels.rl.sft --control",
+            "runs": runs}
+
+
 def load_sft(directory: Path = OUT_DIR / "sft") -> GPT:
     """The committed SFT checkpoint (fp16 on disk) as an fp32 tiny GPT in eval mode."""
     model = load_pretrained()
@@ -215,7 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.rl.sft", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--no-mask", action="store_true", help="train without the loss mask (into sft-nomask/)")
+    p.add_argument("--control", action="store_true", help="the mask experiment with its control, 3 seeds (sft-control/)")
     args = p.parse_args(argv)
+    if args.control:
+        (OUT_DIR / "sft-control").mkdir(parents=True, exist_ok=True)
+        result = control_runs()
+        (OUT_DIR / "sft-control" / "runs.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["runs"], indent=1))
+        return 0
     out = OUT_DIR / ("sft-nomask" if args.no_mask else "sft")
     train_sft(out, steps=args.steps, mask_prompt=not args.no_mask)
     print(json.loads((out / "metrics.json").read_text()))
