@@ -196,15 +196,17 @@ def update_codebooks_hessian(v: torch.Tensor, codes: torch.Tensor, n_codes: int,
     slot = (codes + torch.arange(M)[None, None, :] * n_codes).reshape(N, G * M)        # (N, S) codeword per slot
     grp = torch.arange(G).repeat_interleave(M)                                            # (S,) group of each slot
     Hb = H.reshape(G, g, G, g).permute(0, 2, 1, 3)[grp][:, grp]                          # (S, S, g, g)
-    ata = torch.zeros(A, A, g, g, dtype=torch.float64)
+    ata = torch.zeros(A * g * A * g, dtype=torch.float64)                                # (A g, A g) flattened
+    p = torch.arange(g)
     for n0 in range(0, N, 16):                                                            # rows in chunks: memory
         rows = slice(n0, min(n0 + 16, N))
-        a, b = slot[rows, :, None].expand(-1, -1, G * M), slot[rows, None, :].expand(-1, G * M, -1)
+        row_ag = slot[rows, :, None, None, None] * g + p[:, None]                        # (n, S, 1, g, 1) a g + p
+        col_ag = slot[rows, None, :, None, None] * g + p                                 # (n, 1, S, 1, g) b g + q
         vals = row_weight[rows, None, None, None, None] * Hb[None]                       # (n, S, S, g, g)
-        ata.index_put_((a.reshape(-1), b.reshape(-1)), vals.reshape(-1, g, g), accumulate=True)
+        ata.index_add_(0, (row_ag * (A * g) + col_ag).reshape(-1), vals.reshape(-1))
     vh = (row_weight[:, None] * (v @ H)).reshape(N, G, 1, g).expand(-1, -1, M, -1)       # (N, G, M, g)
     atv = torch.zeros(A, g, dtype=torch.float64).index_add_(0, slot.reshape(-1), vh.reshape(-1, g))
-    ata = ata.permute(0, 2, 1, 3).reshape(A * g, A * g)
+    ata = ata.reshape(A * g, A * g)
     scale = ata.diagonal().abs().mean().clamp_min(1e-30)
     c = torch.linalg.solve(ata + ridge * scale * torch.eye(A * g, dtype=torch.float64), atv.reshape(-1))
     return c.reshape(M, n_codes, g)
