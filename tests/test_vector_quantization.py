@@ -111,7 +111,8 @@ def test_bits_per_weight():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_reads_16_bit_codes(dtype):
     """AQLM's 1x16 format: int16 codes (half of them negative as int16) into a 2^16-row codebook; reading
-    only their low byte (as if they were uint8) is caught."""
+    only their low byte (as if they were uint8) is caught. x is a view into a NaN-filled buffer: a read
+    past its rows or columns would show up as NaN."""
     g = torch.Generator().manual_seed(6)
     N, K = 40, 64
     q = aqlm.Quantized(torch.randint(0, 2 ** 16, (N, K // 8, 1), generator=g),
@@ -119,9 +120,13 @@ def test_kernel_reads_16_bit_codes(dtype):
                        torch.rand(N, generator=g, dtype=torch.float64) + 0.5)
     codes, books, scales = aqlm.to_kernel_format(q, dtype)
     assert codes.dtype == torch.int16 and bool((codes < 0).any()) and bool((codes.long() & 0xFFFF == q.codes).all())
-    x = torch.randn(7, K, generator=g).to(dtype)
+    buf = torch.full((16, K + 8), float("nan"), dtype=dtype)          # canaries: rows 7.. and columns K..
+    x = buf[:7, :K]                                                    # (7, K) view, row stride K + 8
+    x.copy_(torch.randn(7, K, generator=g).to(dtype))
     ref = aqlm.aqlm_matmul_ref(x, aqlm.Quantized(q.codes, books.double(), scales.double())).to(dtype)
-    assert_close(aqlm.aqlm_matmul(x, codes, books, scales), ref, dtype=dtype)
+    y = aqlm.aqlm_matmul(x, codes, books, scales)
+    assert not y.isnan().any()
+    assert_close(y, ref, dtype=dtype)
     with pytest.raises(AssertionError):
         assert_close(aqlm.aqlm_matmul(x, codes, books, scales, _low_byte=True), ref, dtype=dtype)
 
