@@ -53,14 +53,37 @@ def test_mx_elements_are_rne_of_the_scaled_value(elem):
     assert torch.equal(mx.dequantize_mx(codes, scales, elem), ref * s)
 
 
-def test_zero_block_and_ceil_variant_caught():
+def test_zero_block_and_floor_clamps_where_round_up_does_not():
     x = torch.zeros(1, 64)
     x[0, 32:] = torch.linspace(-5, 7, 32)
     codes, scales = mx.quantize_mx(x, "e2m1")
     assert scales[0, 0] == 0 and (mx.dequantize_mx(codes, scales)[0, :32] == 0).all()
-    # ceil(log2(amax / 6)): a block with amax 7 gets scale 2 instead of 1 and loses resolution
-    _, bad = mx.quantize_mx(x, "e2m1", _rule="ceil")
-    assert not torch.equal(bad, scales)
+    # amax 7: floor gives X = 1 and clamps 7 to 6; round-up gives X = 2 (7 / 2 = 3.5 rounds to 4: 8)
+    _, up = mx.quantize_mx(x, "e2m1", rule="up")
+    assert scales[0, 1] == 127 and up[0, 1] == 128 and up[0, 0] == 0
+    with pytest.raises(ValueError, match="rule"):
+        mx.quantize_mx(x, "e2m1", rule="ceil")
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e2m1", "e2m3", "e3m2"])
+def test_round_up_rule_is_te_conversion_and_never_clamps(elem):
+    # TransformerEngine: e8m0 = round toward +inf of fp32(amax * fp32(1 / max_elem)); checked with numpy
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 256, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    f = mx.ELEMENTS[elem]
+    amax = x.reshape(6, 8, 32).abs().amax(-1).numpy()
+    q = amax.astype(np.float32) * np.float32(1.0 / f.max)
+    want = np.ceil(np.log2(q.astype(np.float64))).astype(np.int64) + 127
+    codes, scales = mx.quantize_mx(x, elem, rule="up")
+    assert np.array_equal(scales.long().numpy(), want)
+    ratio = amax / mx.decode_e8m0(scales).double().numpy()
+    assert ((ratio > f.max / 2) & (ratio <= f.max)).all()                # (max/2, max]: nothing clamps
+    floor_ratio = amax / mx.decode_e8m0(mx.quantize_mx(x, elem)[1]).double().numpy()
+    assert (floor_ratio > f.max).any()                                    # the floor rule does clamp here
+    # the bound of the round-up rule: |V - X P| <= 2^-(m+1) max|V| (no clamping term)
+    m = {"e4m3": 3, "e2m1": 1, "e2m3": 3, "e3m2": 2}[elem]
+    err = (mx.dequantize_mx(codes, scales, elem) - x).abs().reshape(6, 8, 32)
+    assert (err <= 2.0 ** -(m + 1) * torch.from_numpy(amax)[..., None]).all()
 
 
 def test_nvfp4_scales_and_values():
@@ -166,6 +189,32 @@ def test_sm100_builds_one_block_scaled_mma_kind_per_format(builds):
         assert set(mx.block_scaled_mmas(b.ptx)) == {want[fmt][0]}, label
         assert b.tensor_core == want[fmt][1], label
         assert not [o for o in ki.instructions(b.sass, "sass") if "HMMA" in o or "HGMMA" in o], label
+
+
+def test_sm100_operand_loads_are_16_byte_cp_async(builds):
+    # every global load of the K loop is a cp.async (LDGSTS): 16 bytes for the codes, none byte-wide
+    for label, bb in builds.items():
+        loads = mx.global_loads(bb["sm100"].sass)
+        assert loads["LDGSTS"][16] >= 16 and not loads["LDG"][1], (label, loads)
+
+
+def test_element_mask_loads_bytes_and_is_caught():
+    # the broken mask counts elements (k0 + 2 kb < K): Triton cannot prove 16 equal mask bits in a row
+    from kernels import inspect as ki
+    jobs = [mx.launch_job(4096, 14336, 4096, fmt, _element_mask=True) for fmt in ("mxfp4", "nvfp4")]
+    for (b,) in (tuple(bb.values()) for bb in ki.compile_triton_many(jobs, archs=("sm100",))):
+        loads = mx.global_loads(b.sass)
+        assert loads["LDG"][1] >= 128 and not loads["LDGSTS"], loads
+
+
+def test_sm120_builds_block_scaled_mma_sync_without_spills():
+    from kernels import inspect as ki
+    jobs = mx.compile_jobs("sm120", mx.REAL_SHAPES[:1])
+    want = {"mxfp8": "QMMA", "mxfp4": "OMMA", "nvfp4": "OMMA"}
+    for (label, job), bb in zip(jobs.items(), ki.compile_triton_many(list(jobs.values()), archs=("sm120",))):
+        b = bb["sm120"]
+        assert b.spills == 0 and b.tensor_core == want[label.rsplit(", ", 1)[1]], label
+        assert "block_scale" in b.ptx and not mx.global_loads(b.sass)["LDG"][1], label
 
 
 def test_sm90_has_no_block_scaled_mma(builds):
