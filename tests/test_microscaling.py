@@ -153,8 +153,10 @@ def test_matmul_matches_reference_and_broken_is_caught(fmt, M, N, K):
 def test_block_scaled_ptx_parser():
     ptx = ("\ttcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X [%r1], %rd2, %rd3, %r4, [%r5], [%r6], p;\n"
            "\ttcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.scale_vec::1X [%r1], %rd2, %rd3, %r4, [%r5], [%r6], p;\n"
-           "\ttcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, p;\n")
-    assert mx.block_scaled_mmas(ptx) == [("mxf4nvf4", "4X"), ("mxf8f6f4", "1X")]
+           "\ttcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, p;\n"
+           "\tmma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::2X.f32.e2m1.e2m1.f32.ue8m0 "
+           "{%f1}, {%r1}, {%r2}, {%f2}, %r3, {0, 0}, %r4, {0, 0};\n")
+    assert mx.block_scaled_mmas(ptx) == [("mxf4nvf4", "4X"), ("mxf8f6f4", "1X"), ("mxf4nvf4", "2X")]
 
 
 def test_inspect_counts_block_scaled_mma():
@@ -210,11 +212,12 @@ def test_element_mask_loads_bytes_and_is_caught():
 def test_sm120_builds_block_scaled_mma_sync_without_spills():
     from kernels import inspect as ki
     jobs = mx.compile_jobs("sm120", mx.REAL_SHAPES[:1])
-    want = {"mxfp8": "QMMA", "mxfp4": "OMMA", "nvfp4": "OMMA"}
+    want = {"mxfp8": ("QMMA", ("mxf8f6f4", "1X")), "mxfp4": ("OMMA", ("mxf4nvf4", "2X")),
+            "nvfp4": ("OMMA", ("mxf4nvf4", "4X"))}
     for (label, job), bb in zip(jobs.items(), ki.compile_triton_many(list(jobs.values()), archs=("sm120",))):
         b = bb["sm120"]
-        assert b.spills == 0 and b.tensor_core == want[label.rsplit(", ", 1)[1]], label
-        assert "block_scale" in b.ptx and not mx.global_loads(b.sass)["LDG"][1], label
+        assert b.spills == 0 and (b.tensor_core, *set(mx.block_scaled_mmas(b.ptx))) == want[label.rsplit(", ", 1)[1]]
+        assert not mx.global_loads(b.sass)["LDG"][1], label
 
 
 def test_sm90_has_no_block_scaled_mma(builds):
@@ -225,3 +228,30 @@ def test_sm90_has_no_block_scaled_mma(builds):
             assert isinstance(b, ki.CompileError), label
         else:                                                                 # upcast to bf16, then wgmma
             assert not isinstance(b, Exception) and b.tensor_core == "HGMMA" and not mx.block_scaled_mmas(b.ptx)
+
+
+def test_swizzle_scales_is_the_cublas_layout():
+    torch.manual_seed(6)
+    s = torch.randint(0, 255, (200, 12), dtype=torch.uint8)               # 200 rows, 12 scale columns
+    flat = mx.swizzle_scales(s)
+    assert flat.numel() == 256 * 12                                        # rows padded to 2 x 128
+    r, c = torch.meshgrid(torch.arange(200), torch.arange(12), indexing="ij")
+    offset = (r // 128 * 3 + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+    assert torch.equal(flat[offset], s)
+    assert not torch.equal(s.reshape(-1), flat[: s.numel()])               # row-major is not the layout
+    e4m3 = torch.rand(128, 4).to(torch.float8_e4m3fn)                      # NVFP4 scales: same bytes, same layout
+    assert torch.equal(mx.swizzle_scales(e4m3), mx.swizzle_scales(e4m3.view(torch.uint8)))
+    with pytest.raises(ValueError, match="one-byte"):
+        mx.swizzle_scales(torch.zeros(4, 4))
+
+
+def test_cuda_quantizer_compiles_to_the_two_conversions():
+    from kernels import inspect as ki
+    for arch in ("sm100a", "sm120a"):
+        b = ki.compile_cuda("mxfp4_quantize", arch=arch)
+        ops = ki.instructions(b.sass, "sass")
+        assert b.spills == 0
+        assert ops["F2FP.SATFINITE.E8.F32.PACK_AB_MERGE_C.RP"] == 1 and ops["F2FP.SATFINITE.E2M1.F32.PACK_AB_MERGE_C"] == 1
+        assert "cvt.rp.satfinite.ue8m0x2.f32" in b.ptx and "cvt.rn.satfinite.e2m1x2.f32" in b.ptx
+    with pytest.raises(ki.CompileError):                                   # Hopper has neither instruction
+        ki.compile_cuda("mxfp4_quantize", arch="sm90a")

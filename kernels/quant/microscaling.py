@@ -212,6 +212,27 @@ def bits_per_element(fmt: str) -> float:
     return ELEMENTS[elem].bits + 8 / block
 
 
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales (rows, K / block) uint8 or float8 (one byte each) in the layout cuBLAS and CUTLASS read
+    for a block-scaled GEMM (the cuBLAS "block scaling factors layout"; TransformerEngine calls the
+    conversion swizzling): rows padded to a multiple of 128 and scale columns to a multiple of 4 (with
+    zero bytes), the (128, 4) tile each 128 x 128 (MXFP8) tile of the operand needs stored as 512
+    contiguous bytes, tiles row-major, and inside a tile the 4-byte row r at position 4 (r % 32) + r // 32:
+
+        offset(r, c) = (r // 128 * C4 + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+
+    with C4 the number of 4-column tiles. One tensor-core warp quarter reads rows r, r + 32, r + 64,
+    r + 96 together, so they sit side by side. Returns the flat byte vector (uint8)."""
+    if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.element_size() != 1:
+        raise ValueError("swizzle_scales: scales must be a 2-D tensor of one-byte scale codes")
+    b = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    b = torch.nn.functional.pad(b, (0, -b.shape[1] % 4, 0, -b.shape[0] % 128))     # (R, C), R % 128 = C % 4 = 0
+    R, C = b.shape
+    tiles = b.reshape(R // 128, 128, C // 4, 4).permute(0, 2, 1, 3)                # (R/128, C/4, 128, 4)
+    tiles = tiles.reshape(R // 128, C // 4, 4, 32, 4).transpose(2, 3)               # row 32 i + k -> 4 k + i
+    return tiles.reshape(-1).contiguous()
+
+
 # ------------------------------------------------------------------------------------------------
 # The block-scaled matmul
 
@@ -417,11 +438,13 @@ def compile_jobs(target: str = "sm100", shapes=REAL_SHAPES) -> dict:
             for fmt in MATMUL_FORMATS}
 
 
-_BLOCK_SCALED = re.compile(r"tcgen05\.mma\.cta_group::\d\.kind::(\w+)\.block_scale(?:\.scale_vec::(\w+))?")
+_BLOCK_SCALED = re.compile(r"(?:tcgen05\.mma\.cta_group::\d|mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col)"
+                           r"\.kind::(\w+)\.block_scale(?:\.scale_vec::(\w+))?")
 
 
 def block_scaled_mmas(ptx: str) -> list[tuple[str, str]]:
-    """(kind, scale_vec) of every block-scaled ``tcgen05.mma`` in PTX text, e.g. ("mxf4nvf4", "4X")."""
+    """(kind, scale_vec) of every block-scaled ``tcgen05.mma`` (sm100) or ``mma.sync`` (sm120) in PTX text,
+    e.g. ("mxf4nvf4", "4X")."""
     return [(m.group(1), m.group(2) or "") for m in _BLOCK_SCALED.finditer(ptx)]
 
 
