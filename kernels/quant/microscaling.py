@@ -221,8 +221,9 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
 
         offset(r, c) = (r // 128 * C4 + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
 
-    with C4 the number of 4-column tiles. One tensor-core warp quarter reads rows r, r + 32, r + 64,
-    r + 96 together, so they sit side by side. Returns the flat byte vector (uint8)."""
+    with C4 the number of 4-column tiles: rows r, r + 32, r + 64, r + 96 side by side, the order
+    TransformerEngine's documentation gives for the hardware (this module does not derive it). Returns
+    the flat byte vector (uint8)."""
     if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.element_size() != 1:
         raise ValueError("swizzle_scales: scales must be a 2-D tensor of one-byte scale codes")
     b = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
