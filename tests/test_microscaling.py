@@ -1,7 +1,9 @@
 """kernels/quant/microscaling.py: MX (OCP MX v1.0) and NVFP4 quantization checked against independent
 decoders (ml_dtypes' E8M0 and PyTorch's float8 types) and the specification's scale rule; the block-scaled
 matmul against dequantize-then-matmul on awkward shapes, a broken variant caught, bad input refused; the
-PTX parser for block-scaled tcgen05.mma."""
+PTX parser for block-scaled tcgen05.mma and mma.sync; the round-up scale rule against TransformerEngine's
+conversion; the native builds' loads (16-byte cp.async, the byte-wise element mask caught); the swizzled
+scale layout against cuBLAS's offset formula; the CUDA MXFP4 quantizer's two conversion instructions."""
 import ml_dtypes
 import numpy as np
 import pytest

@@ -45,10 +45,14 @@ the order ``tl.dot_scaled`` reads.
 (nn.Linear's layout), both block-scaled along K. On a GPU it is ``tl.dot_scaled``: on sm100a Triton
 3.7 lowers it to ``tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.scale_vec::1X`` (MXFP8),
 ``kind::mxf4.block_scale.scale_vec::2X`` (MXFP4) and ``kind::mxf4nvf4.block_scale.scale_vec::4X``
-(NVFP4), with the scales copied into tensor memory (``tcgen05.st``) beside the accumulator. Triton's
+(NVFP4), with the scales copied into tensor memory (``tcgen05.st``) beside the accumulator; on sm120a
+(no tensor memory) to the block-scaled ``mma.sync ... kind::mxf8f6f4`` / ``kind::mxf4nvf4``. The K loop
+masks its loads in bytes and scales, so both copy the operands with 16-byte ``cp.async``
+(:func:`global_loads`). Triton's
 interpreter has no ``dot_scaled`` (its builder lacks ``create_dot_scaled``), so on the CPU the same
 kernel takes its ``DECODE`` path: the same loads, the codes and scales decoded in the kernel with
-integer operations, and an fp32 ``tl.dot``. The native path is compiled and read, never run here.
+integer operations, and an fp32 ``tl.dot`` (CUDA cores, not tensor cores: also what a GPU other than
+compute capability 10 or 12 runs, a correctness path). The native path is compiled and read, never run here.
 """
 from __future__ import annotations
 
@@ -345,7 +349,7 @@ def _mx_matmul_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, alpha_ptr, M, N, K, K
 
 GPU_TILE = (128, 128, 128, 4)      # (BLOCK_M, BLOCK_N, BLOCK_K, warps): spill-free on sm100a (compile_jobs)
 CPU_TILE = (32, 32, 64, 4)
-GPU_STAGES = {10: 3, 12: 2, 9: 3}  # by compute capability: sm120's MXFP8 spills at 3 stages (compile_jobs)
+GPU_STAGES = {10: 3, 12: 2, 9: 3}  # by compute capability (others: 3); sm120's MXFP8 spills at 3 stages
 NATIVE_MAJORS = (10, 12)           # compute capabilities whose tensor cores take block scales
 
 
@@ -404,7 +408,7 @@ def mx_matmul(a: tuple, b: tuple, fmt: str, *, tile=None, _broken: bool = False)
     c = torch.empty((M, N), dtype=torch.float32, device=a[0].device)
     grid, args, kwargs = _launch_args(a, b, c, alpha, fmt, tile=tile or (GPU_TILE if rt.on_gpu else CPU_TILE),
                                       decode=not native, broken=_broken,
-                                      num_stages=GPU_STAGES.get(major, 1))
+                                      num_stages=GPU_STAGES.get(major, 3) if rt.on_gpu else 1)
     _mx_matmul_kernel[grid](*args, **kwargs)
     return c
 
