@@ -16,6 +16,15 @@ exponent is clamped to E8M0's range [-127, 127]; an all-zero block gets the smal
 as the reference emulator does (microxcaling: log2 of FP32's smallest normal for a zero maximum).
 A scale of NaN makes the whole block NaN (section 6.3); this module refuses NaN and infinite inputs.
 
+**Rounding the scale up** (``rule="up"``): NVIDIA's MXFP8 pre-training recipe (Mishra et al., 2025)
+found that the floor rule's clamping can make pre-training diverge and rounds the scale up instead,
+as TransformerEngine converts it (``float_to_e8m0(amax * (1 / max_elem))``, on Blackwell
+``cvt.rp.satfinite.ue8m0x2.f32``, round toward +infinity):
+
+    X   = 2^ceil(log2(fp32(max_i |V_i| * fp32(1 / max_elem))))
+
+so max|V| / X lies in (max_elem / 2, max_elem]: nothing clamps, and the top binade is only partly used.
+
 **NVFP4** (NVIDIA, 2025): E2M1 elements in blocks of 16, each block with an E4M3 scale, plus one
 FP32 scale for the whole tensor, so the block scales use E4M3's range:
 
@@ -36,14 +45,19 @@ the order ``tl.dot_scaled`` reads.
 (nn.Linear's layout), both block-scaled along K. On a GPU it is ``tl.dot_scaled``: on sm100a Triton
 3.7 lowers it to ``tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.scale_vec::1X`` (MXFP8),
 ``kind::mxf4.block_scale.scale_vec::2X`` (MXFP4) and ``kind::mxf4nvf4.block_scale.scale_vec::4X``
-(NVFP4), with the scales copied into tensor memory (``tcgen05.st``) beside the accumulator. Triton's
+(NVFP4), with the scales copied into tensor memory (``tcgen05.st``) beside the accumulator; on sm120a
+(no tensor memory) to the block-scaled ``mma.sync ... kind::mxf8f6f4`` / ``kind::mxf4nvf4``. The K loop
+masks its loads in bytes and scales, so both copy the operands with 16-byte ``cp.async``
+(:func:`global_loads`). Triton's
 interpreter has no ``dot_scaled`` (its builder lacks ``create_dot_scaled``), so on the CPU the same
 kernel takes its ``DECODE`` path: the same loads, the codes and scales decoded in the kernel with
-integer operations, and an fp32 ``tl.dot``. The native path is compiled and read, never run here.
+integer operations, and an fp32 ``tl.dot`` (CUDA cores, not tensor cores: also what a GPU other than
+compute capability 10 or 12 runs, a correctness path). The native path is compiled and read, never run here.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -112,29 +126,35 @@ def _blocks(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
     return x.double().reshape(*x.shape[:-1], -1, block)
 
 
+SCALE_RULES = ("floor", "up")
+
+
 def mx_scale_exponent(amax: torch.Tensor, fmt: str, rule: str = "floor") -> torch.Tensor:
-    """The shared exponent of each block (int64): floor(log2(amax)) - emax_elem, clamped to [-127, 127];
-    a zero block gets -127. ``rule="ceil"`` is a deliberately wrong variant (ceil(log2(amax / max_elem)),
-    which never clamps but is not the specification's rule) for the tests to catch."""
+    """The shared exponent of each block (int64), clamped to [-127, 127]; a zero block gets -127.
+    ``rule="floor"``: floor(log2(amax)) - emax_elem (OCP MX v1.0, section 6.3). ``rule="up"``:
+    ceil(log2(q)) with q = amax * (1 / max_elem) in fp32, TransformerEngine's round-up conversion."""
     f = _elem(fmt)
     a = amax.double()
-    mant, e = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))   # a = mant 2^e, mant in [0.5, 1)
     if rule == "floor":
-        exp = e.long() - 1 - f.emax                                      # floor(log2 a) - emax, exact
-    elif rule == "ceil":
-        exp = torch.ceil(torch.log2(a / f.max)).long()
+        mant, e = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))    # a = mant 2^e, mant in [0.5, 1)
+        exp = e.long() - 1 - f.emax                                          # floor(log2 a) - emax, exact
+    elif rule == "up":
+        q = a.float() * torch.tensor(1.0 / f.max, dtype=torch.float32)       # fp32 product, as TE forms it
+        mant, e = torch.frexp(torch.where(q > 0, q, torch.ones_like(q)))    # q = mant 2^e
+        exp = e.long() - (mant == 0.5).long()                                # ceil(log2 q), exact
     else:
-        raise ValueError(f"rule must be 'floor' or 'ceil', got {rule!r}")
+        raise ValueError(f"rule must be one of {SCALE_RULES}, got {rule!r}")
     exp = torch.where(a > 0, exp, torch.full_like(exp, -E8M0_BIAS))
     return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
-def quantize_mx(x: torch.Tensor, elem: str = "e2m1", block: int = MX_BLOCK, *, _rule: str = "floor"):
+def quantize_mx(x: torch.Tensor, elem: str = "e2m1", block: int = MX_BLOCK, *, rule: str = "floor"):
     """MX quantization of x (..., K) along its last dimension: element codes (..., K) uint8 and E8M0 scale
-    codes (..., K / block) uint8. ``block`` is 32 in the specification; other sizes are for experiments."""
+    codes (..., K / block) uint8. ``block`` is 32 in the specification; other sizes are for experiments.
+    ``rule`` is the scale rule of :func:`mx_scale_exponent` ("floor": OCP v1.0, "up": NVIDIA's recipe)."""
     f = _elem(elem)
     v = _blocks(x, block, "quantize_mx")                                 # (..., K/b, b) fp64
-    exp = mx_scale_exponent(v.abs().amax(-1), f.name, _rule)             # (..., K/b)
+    exp = mx_scale_exponent(v.abs().amax(-1), f.name, rule)              # (..., K/b)
     scaled = v * torch.exp2(-exp.double())[..., None]                    # V_i / X, exact (X a power of two)
     codes = encode_elem(scaled.reshape(x.shape).float(), f.name)         # RNE, clamp to +-max_elem
     return codes, (exp + E8M0_BIAS).to(torch.uint8)
@@ -174,14 +194,15 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: to
     return mf.decode(codes, "e2m1") * scales.float().repeat_interleave(block, -1) * tensor_scale.float()
 
 
-def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x quantized and dequantized (fp32) in one of :data:`FORMATS`."""
+def fake_quantize(x: torch.Tensor, fmt: str, rule: str = "floor") -> torch.Tensor:
+    """x quantized and dequantized (fp32) in one of :data:`FORMATS`; ``rule`` is the MX scale rule
+    (NVFP4 has none: its E4M3 block scale rounds to nearest)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
     elem, _ = FORMATS[fmt]
     if fmt == "nvfp4":
         return dequantize_nvfp4(*quantize_nvfp4(x))
-    return dequantize_mx(*quantize_mx(x, elem), elem)
+    return dequantize_mx(*quantize_mx(x, elem, rule=rule), elem)
 
 
 # name -> (element format, block); the scale is E8M0 except for NVFP4 (E4M3 + FP32)
@@ -193,6 +214,28 @@ def bits_per_element(fmt: str) -> float:
     """Storage per element: element bits + 8 scale bits / block (NVFP4's FP32 tensor scale is negligible)."""
     elem, block = FORMATS[fmt]
     return ELEMENTS[elem].bits + 8 / block
+
+
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales (rows, K / block) uint8 or float8 (one byte each) in the layout cuBLAS and CUTLASS read
+    for a block-scaled GEMM (the cuBLAS "block scaling factors layout"; TransformerEngine calls the
+    conversion swizzling): rows padded to a multiple of 128 and scale columns to a multiple of 4 (with
+    zero bytes), the (128, 4) tile each 128 x 128 (MXFP8) tile of the operand needs stored as 512
+    contiguous bytes, tiles row-major, and inside a tile the 4-byte row r at position 4 (r % 32) + r // 32:
+
+        offset(r, c) = (r // 128 * C4 + c // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+
+    with C4 the number of 4-column tiles: rows r, r + 32, r + 64, r + 96 side by side, the order
+    TransformerEngine's documentation gives for the hardware (this module does not derive it). Returns
+    the flat byte vector (uint8)."""
+    if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.element_size() != 1:
+        raise ValueError("swizzle_scales: scales must be a 2-D tensor of one-byte scale codes")
+    b = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    b = torch.nn.functional.pad(b, (0, -b.shape[1] % 4, 0, -b.shape[0] % 128))     # (R, C), R % 128 = C % 4 = 0
+    R, C = b.shape
+    tiles = b.reshape(R // 128, 128, C // 4, 4).permute(0, 2, 1, 3)                # (R/128, C/4, 128, 4)
+    tiles = tiles.reshape(R // 128, C // 4, 4, 32, 4).transpose(2, 3)               # row 32 i + k -> 4 k + i
+    return tiles.reshape(-1).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,15 +251,15 @@ def mx_matmul_ref(a: tuple, b: tuple, fmt: str) -> torch.Tensor:
     return dequantize_mx(*a, elem).double() @ dequantize_mx(*b, elem).double().T
 
 
-def quantize(x: torch.Tensor, fmt: str) -> tuple:
+def quantize(x: torch.Tensor, fmt: str, rule: str = "floor") -> tuple:
     """Operand of :func:`mx_matmul` in ``fmt``: (codes, scales) for the MX formats, E2M1 codes packed two
-    per byte; NVFP4 adds its tensor scale. x (rows, K)."""
+    per byte; NVFP4 adds its tensor scale. x (rows, K); ``rule`` the MX scale rule."""
     if fmt not in MATMUL_FORMATS:
         raise ValueError(f"fmt must be one of {MATMUL_FORMATS}, got {fmt!r}")
     if fmt == "nvfp4":
         q, s, t = quantize_nvfp4(x)
         return intq.pack_int4(q), s, t
-    q, s = quantize_mx(x, FORMATS[fmt][0])
+    q, s = quantize_mx(x, FORMATS[fmt][0], rule=rule)
     return (intq.pack_int4(q) if fmt == "mxfp4" else q), s
 
 
@@ -250,11 +293,12 @@ def _decode_scales(s, NVFP4: tl.constexpr):
 
 
 @triton.jit
-def _mx_matmul_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, alpha_ptr, M, N, K,
+def _mx_matmul_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, alpha_ptr, M, N, K, K_BYTES, K_SCALES,
                       stride_am, stride_sam, stride_bn, stride_sbn, stride_cm,
                       FMT: tl.constexpr, VEC: tl.constexpr, NVFP4: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DECODE: tl.constexpr = False, BROKEN: tl.constexpr = False):
+                      DECODE: tl.constexpr = False, BROKEN: tl.constexpr = False,
+                      ELEMENT_MASK: tl.constexpr = False):
     PACK: tl.constexpr = 2 if FMT == "e2m1" else 1                       # elements per byte
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), M - 1)     # rows past M re-read the last one
@@ -267,8 +311,12 @@ def _mx_matmul_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, alpha_ptr, M, N, K,
     sb_rows = sb_ptr + rn.to(tl.int64)[:, None] * stride_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kmask = k0 + kb * PACK < K                                       # K is a multiple of VEC; tails masked
-        smask = k0 + ks * VEC < K
+        # Masks in units of what is loaded (bytes, scales), against K_BYTES = K / PACK and K_SCALES = K / VEC,
+        # which Triton specializes as multiples of 16: it then sees runs of 16 equal mask bits and issues
+        # 16-byte cp.async copies. ELEMENT_MASK (broken) counts elements, k0 + 2 kb < K for E2M1: a stride-2
+        # left side, no constancy, and the packed operands are loaded one byte at a time.
+        kmask = (k0 + kb * PACK < K) if ELEMENT_MASK else (k0 // PACK + kb < K_BYTES)
+        smask = (k0 + ks * VEC < K) if ELEMENT_MASK else (k0 // VEC + ks < K_SCALES)
         a = tl.load(a_rows + (k0 // PACK + kb)[None, :], mask=kmask[None, :], other=0)    # (BM, BK/PACK) u8
         b = tl.load(b_cols + (k0 // PACK + kb)[:, None], mask=kmask[:, None], other=0)    # (BK/PACK, BN) u8
         sa = tl.load(sa_rows + (k0 // VEC + ks)[None, :], mask=smask[None, :], other=0.0)  # (BM, BK/VEC)
@@ -301,7 +349,8 @@ def _mx_matmul_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, alpha_ptr, M, N, K,
 
 GPU_TILE = (128, 128, 128, 4)      # (BLOCK_M, BLOCK_N, BLOCK_K, warps): spill-free on sm100a (compile_jobs)
 CPU_TILE = (32, 32, 64, 4)
-GPU_STAGES = 3
+GPU_STAGES = {10: 3, 12: 2, 9: 3}  # by compute capability (others: 3); sm120's MXFP8 spills at 3 stages
+NATIVE_MAJORS = (10, 12)           # compute capabilities whose tensor cores take block scales
 
 
 def _check_operand(op, fmt: str, name: str) -> tuple[int, int]:
@@ -326,36 +375,40 @@ def _check_operand(op, fmt: str, name: str) -> tuple[int, int]:
     return rows, k
 
 
-def _launch_args(a, b, c, alpha, fmt: str, *, tile, decode: bool, broken: bool = False, num_stages: int = 1):
+def _launch_args(a, b, c, alpha, fmt: str, *, tile, decode: bool, broken: bool = False, num_stages: int = 1,
+                 element_mask: bool = False):
     """(grid, args, kwargs) of one launch of :func:`_mx_matmul_kernel`, shared by :func:`mx_matmul` and
     :func:`launch_job`, so the AOT build is the launch."""
     (M, N), K = c.shape, a[1].shape[1] * FORMATS[fmt][1]
     bm, bn, bk, warps = tile
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     sa, sb = (a[1].view(torch.uint8), b[1].view(torch.uint8)) if decode else (a[1], b[1])   # DECODE reads bytes
-    args = (a[0], sa, b[0], sb, c, alpha, M, N, K, a[0].stride(0), a[1].stride(0), b[0].stride(0),
-            b[1].stride(0), c.stride(0))
+    args = (a[0], sa, b[0], sb, c, alpha, M, N, K, a[0].shape[1], a[1].shape[1],     # K, K / PACK, K / VEC
+            a[0].stride(0), a[1].stride(0), b[0].stride(0), b[1].stride(0), c.stride(0))
     kwargs = dict(FMT=_KERNEL_FMT[fmt], VEC=FORMATS[fmt][1], NVFP4=fmt == "nvfp4", BLOCK_M=bm, BLOCK_N=bn,
-                  BLOCK_K=bk, DECODE=decode, BROKEN=broken, num_warps=warps, num_stages=num_stages)
+                  BLOCK_K=bk, DECODE=decode, BROKEN=broken, ELEMENT_MASK=element_mask, num_warps=warps,
+                  num_stages=num_stages)
     return grid, args, kwargs
 
 
 def mx_matmul(a: tuple, b: tuple, fmt: str, *, tile=None, _broken: bool = False) -> torch.Tensor:
     """C = A B^T (M, N) fp32 from A (M, K) and B (N, K), each quantized by :func:`quantize` in ``fmt``
-    ("mxfp8", "mxfp4" or "nvfp4"). On a GPU of compute capability 10 it is ``tl.dot_scaled``; elsewhere
-    (the interpreter, or a Hopper GPU, where Triton refuses NVFP4's dot_scaled) the kernel's DECODE path."""
+    ("mxfp8", "mxfp4" or "nvfp4"). On a GPU of compute capability 10 (tcgen05.mma) or 12 (block-scaled
+    mma.sync) it is ``tl.dot_scaled``; elsewhere (the interpreter, or Hopper, where Triton refuses NVFP4's
+    dot_scaled) the kernel's DECODE path, an fp32 ``tl.dot`` on CUDA cores: correct, not fast."""
     if fmt not in MATMUL_FORMATS:
         raise ValueError(f"mx_matmul: fmt must be one of {MATMUL_FORMATS}, got {fmt!r}")
     (M, K), (N, Kb) = _check_operand(a, fmt, "a"), _check_operand(b, fmt, "b")
     if K != Kb:
         raise ValueError(f"mx_matmul: a has K={K}, b has K={Kb}")
     rt = runtime.runtime()
-    native = rt.on_gpu and torch.cuda.get_device_capability()[0] == 10
+    major = torch.cuda.get_device_capability()[0] if rt.on_gpu else 0
+    native = major in NATIVE_MAJORS
     alpha = (a[2] * b[2]).reshape(1) if fmt == "nvfp4" else torch.ones(1, device=a[0].device)
     c = torch.empty((M, N), dtype=torch.float32, device=a[0].device)
     grid, args, kwargs = _launch_args(a, b, c, alpha, fmt, tile=tile or (GPU_TILE if rt.on_gpu else CPU_TILE),
                                       decode=not native, broken=_broken,
-                                      num_stages=GPU_STAGES if rt.on_gpu else 1)
+                                      num_stages=GPU_STAGES.get(major, 3) if rt.on_gpu else 1)
     _mx_matmul_kernel[grid](*args, **kwargs)
     return c
 
@@ -367,28 +420,61 @@ def mx_matmul(a: tuple, b: tuple, fmt: str, *, tile=None, _broken: bool = False)
 REAL_SHAPES = (("Llama-3-8B gate/up prefill", 4096, 14336, 4096), ("Llama-3-8B down prefill", 4096, 4096, 14336))
 
 
-def launch_job(M: int, N: int, K: int, fmt: str, *, tile=GPU_TILE, num_stages: int = GPU_STAGES, target="sm100"):
-    """The job of a native (``tl.dot_scaled``) launch of :func:`mx_matmul` at (M, N, K) on meta tensors."""
+def launch_job(M: int, N: int, K: int, fmt: str, *, tile=GPU_TILE, num_stages: int | None = None, target="sm100",
+               _element_mask: bool = False):
+    """The job of a native (``tl.dot_scaled``) launch of :func:`mx_matmul` at (M, N, K) on meta tensors;
+    ``_element_mask`` compiles the broken mask that loads packed operands byte by byte."""
     from kernels import inspect as ki
 
+    num_stages = GPU_STAGES[ki.parse_arch(target).capability // 10] if num_stages is None else num_stages
     pack, vec = (1 if fmt == "mxfp8" else 2), FORMATS[fmt][1]
     sdtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
     a = (torch.empty(M, K // pack, dtype=torch.uint8, device="meta"), torch.empty(M, K // vec, dtype=sdtype, device="meta"))
     b = (torch.empty(N, K // pack, dtype=torch.uint8, device="meta"), torch.empty(N, K // vec, dtype=sdtype, device="meta"))
     c = torch.empty(M, N, dtype=torch.float32, device="meta")
     grid, args, kwargs = _launch_args(a, b, c, torch.empty(1, device="meta"), fmt, tile=tile, decode=False,
-                                      num_stages=num_stages)
+                                      num_stages=num_stages, element_mask=_element_mask)
     return ki.launch_job(_mx_matmul_kernel, *args, target=target, grid=grid, **kwargs)
 
 
-def compile_jobs() -> dict:
-    """The native launch in each format at :data:`REAL_SHAPES`."""
-    return {f"{label}, {fmt}": launch_job(M, N, K, fmt) for label, M, N, K in REAL_SHAPES for fmt in MATMUL_FORMATS}
+def compile_jobs(target: str = "sm100", shapes=REAL_SHAPES) -> dict:
+    """The native launch in each format at :data:`REAL_SHAPES`, with ``target``'s stage count."""
+    return {f"{label}, {fmt}": launch_job(M, N, K, fmt, target=target) for label, M, N, K in shapes
+            for fmt in MATMUL_FORMATS}
 
 
-_BLOCK_SCALED = re.compile(r"tcgen05\.mma\.cta_group::\d\.kind::(\w+)\.block_scale(?:\.scale_vec::(\w+))?")
+_BLOCK_SCALED = re.compile(r"(?:tcgen05\.mma\.cta_group::\d|mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col)"
+                           r"\.kind::(\w+)\.block_scale(?:\.scale_vec::(\w+))?")
 
 
 def block_scaled_mmas(ptx: str) -> list[tuple[str, str]]:
-    """(kind, scale_vec) of every block-scaled ``tcgen05.mma`` in PTX text, e.g. ("mxf4nvf4", "4X")."""
+    """(kind, scale_vec) of every block-scaled ``tcgen05.mma`` (sm100) or ``mma.sync`` (sm120) in PTX text,
+    e.g. ("mxf4nvf4", "4X")."""
     return [(m.group(1), m.group(2) or "") for m in _BLOCK_SCALED.finditer(ptx)]
+
+
+_LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def global_loads(sass: str) -> dict[str, Counter]:
+    """Global loads in SASS text by kind and width: {"LDG": Counter(bytes -> count), "LDGSTS": ...,
+    "UTMALDG": Counter(tile -> count)}. LDG goes through registers; LDGSTS is cp.async (straight into
+    shared memory, what ``num_stages`` pipelines); UTMALDG is a TMA tile copy. LDG.E.U8 is one byte."""
+    from kernels import inspect as ki
+
+    out = {"LDG": Counter(), "LDGSTS": Counter(), "UTMALDG": Counter()}
+    for op, n in ki.instructions(sass, "sass").items():
+        family, *mods = op.split(".")
+        if family == "UTMALDG":
+            out[family]["tile"] += n
+        elif family in ("LDG", "LDGSTS"):
+            out[family][max([_LOAD_BYTES[m] for m in mods if m in _LOAD_BYTES] or [4])] += n
+    return out
+
+
+def load_summary(sass: str) -> str:
+    """One table cell: e.g. "LDGSTS 16B x32 4B x8" or "LDG 1B x136"."""
+    loads = global_loads(sass)
+    parts = [f"{kind} " + " ".join(f"{w}B x{n}" for w, n in sorted(c.items(), reverse=True))
+             for kind, c in loads.items() if kind != "UTMALDG" and c]
+    return "; ".join(parts + ([f"UTMALDG x{loads['UTMALDG']['tile']}"] if loads["UTMALDG"] else []))
