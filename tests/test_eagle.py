@@ -212,6 +212,31 @@ def test_feature_only_ablation_ignores_the_token_and_its_runs_are_the_committed_
         A.main(["wrong:0"])
 
 
+def test_wide_medusa_has_the_drafts_capacity_and_its_runs_are_the_committed_ones(model):
+    """WideMedusaHeads: within 0.01 % of the EAGLE draft's parameter count, every head starts as the
+    base model's own head (as Medusa's do); a committed run's first training step is reproduced from
+    the code (the seeded windows and minibatch), and its stored heads reproduce its stored rank counts."""
+    from kernels.speculative import eagle_capacity as C
+    from kernels.speculative import medusa as M
+
+    n_draft = sum(p.numel() for p in G.EagleDraft(model.config).parameters())
+    wide = C.WideMedusaHeads(model.config.d_model)
+    n_wide = sum(p.numel() for p in wide.parameters())
+    assert abs(n_wide - n_draft) < 1e-4 * n_draft and n_draft > 3 * sum(p.numel() for p in M.MedusaHeads(128).parameters())
+    E = model.wte.weight.detach()
+    h = torch.randn(2, 3, model.config.d_model)
+    assert torch.equal(wide(h, E), (h @ E.T)[:, :, None].expand(-1, -1, M.N_HEADS, -1))
+    stored = json.loads((C.OUT_DIR / "wide-seed1.json").read_text())
+    assert stored["parameters"] == n_wide and stored["command"].endswith("wide:1")
+    _, log = M.train_heads(model, 1, n_windows=C.WINDOWS, batch=C.BATCH, seed=1, heads_cls=C.WideMedusaHeads,
+                           progress=False)
+    assert log[0] == pytest.approx(stored["first_step_losses"], rel=1e-5)
+    x = M.eval_windows()
+    assert M.rank_accuracy(model, C.load("wide", 1), x).tolist() == stored["rank_counts"]
+    with pytest.raises(ValueError, match="arm"):
+        C.main(["wrong:0"])
+
+
 # ---------------------------------------------------------------- ahead of time, at a real vocabulary
 
 @pytest.fixture(scope="module")

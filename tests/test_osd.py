@@ -134,6 +134,10 @@ def test_committed_run():
     assert len(curve) == log["config"]["rounds"] + 1
     assert all(c["tokens"] == log["plain"]["tokens"] for c in curve)
     assert curve[0]["accepted"] <= 2 and curve[-1]["alpha"] > curve[0]["alpha"] + 0.2
+    # accepted counts emitted drafts only: saved forwards lie between it and it minus one bonus per request
+    # (the count before the fix, accepted drafts past the stop byte included, broke the upper bound: 137 > 26)
+    for c in curve + [log["offline"]]:
+        assert c["accepted"] - log["config"]["held_out"] <= c["tokens"] - c["forwards"] <= c["accepted"], c
 
 
 # ---------------------------------------------------------------- ahead of time, at Llama 3's vocabulary

@@ -111,6 +111,26 @@ def test_stop_tokens_inside_an_accepted_run(model, draft, reference):
     _pages_back(spec)
 
 
+def test_accepted_counts_only_emitted_drafts(model, reference):
+    """SpecStats.accepted counts the accepted drafts that reach the answer. With the target as its own
+    draft every draft is accepted; the stop token is placed inside a run with accepted drafts after
+    it, which are dropped and not counted (counting every accepted draft gives accepted == drafted)."""
+    G = 6
+    p = PROMPTS[0]
+    ref = reference[p][0]
+    # the first token whose first occurrence i sits in a run's drafts with at least one draft after it:
+    # index 0 comes from the prefill, run r emits indices 1 + (G + 1) r ... (G + 1)(r + 1), the last the bonus
+    i = next(i for i in range(1, NEW) if ref.index(ref[i]) == i and (i - 1) % (G + 1) < G - 1)
+    params = SamplingParams(max_tokens=NEW, stop_token_ids=(ref[i],))
+    eng, [b] = _run(model, EngineConfig(speculative=DraftModel(model), num_draft=G), [p], params=params)
+    st = eng.spec_stats
+    assert b.generated == ref[:i + 1] and b.finish_reason == "stop"
+    full_runs = (i - 1) // (G + 1)                                   # runs that emitted G drafts and a bonus
+    assert st.runs == full_runs + 1 and st.drafted == G * st.runs and st.emitted == i
+    assert st.accepted == i - full_runs < st.drafted, st
+    _pages_back(eng)
+
+
 def test_kv_after_rollback_equals_a_fresh_prefill(model, draft):
     """After every verification the computed positions hold what a prefill of those tokens writes,
     and the sequence holds exactly the pages its computed positions need."""

@@ -207,7 +207,9 @@ class EngineConfig:
 
 @dataclass
 class SpecStats:
-    """Speculative decoding's counts: verified runs, tokens proposed, accepted, emitted."""
+    """Speculative decoding's counts: verified runs, tokens proposed, accepted drafts that were emitted
+    (a draft the target accepted after a stop token or past max_tokens is not counted: it never reaches
+    the answer), tokens emitted by verified runs."""
     runs: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -495,10 +497,11 @@ class Engine:
                 self.scheduler.rollback(seq, w.start + 1 + nb)       # the last token and the nb accepted drafts
                 seq.draft = []
                 st = self.spec_stats
-                st.runs, st.drafted, st.accepted = st.runs + 1, st.drafted + k, st.accepted + nb
+                st.runs, st.drafted = st.runs + 1, st.drafted + k
                 for j, token in enumerate(tokens[b, :nb + 1].tolist()):
                     seq.tokens.append(token)
                     st.emitted += 1
+                    st.accepted += j < nb      # an accepted draft counts once emitted: none past a stop token
                     if self.logits is not None:
                         self.logits.setdefault(seq.id, []).append(logits[b, j])
                     out.append(StepOutput(seq, token))

@@ -121,10 +121,12 @@ def n_scored(x: torch.Tensor, n_heads: int = N_HEADS) -> torch.Tensor:
 
 
 def train_heads(model: GPT, steps: int, *, n_windows: int = 512, batch: int = 32, lr: float = 3e-3,
-                seed: int = 0, n_heads: int = N_HEADS, progress: bool = True) -> tuple[MedusaHeads, list[list[float]]]:
+                seed: int = 0, n_heads: int = N_HEADS, progress: bool = True,
+                heads_cls: type = MedusaHeads) -> tuple[MedusaHeads, list[list[float]]]:
     """Medusa-1: the base model is frozen, so its hidden states are computed once, for ``n_windows``
     random windows of the training text; then AdamW on the heads only, ``batch`` of those windows a
-    step. Returns the heads and each step's per-head losses."""
+    step. ``heads_cls(d_model, n_heads)`` (built where MedusaHeads would be, after the seed) is for
+    the EAGLE chapter's capacity comparison. Returns the heads and each step's per-head losses."""
     from tqdm import tqdm
 
     from kernels.model.data import encode, get_batch, load_text, train_val_split
@@ -135,7 +137,7 @@ def train_heads(model: GPT, steps: int, *, n_windows: int = 512, batch: int = 32
     x_all, _ = get_batch(train, n_windows, model.config.block_size, generator=g)    # (N, T)
     h_all = base_hidden(model, x_all)                                               # (N, T, C)
     E = model.wte.weight.detach()
-    heads = MedusaHeads(model.config.d_model, n_heads)
+    heads = heads_cls(model.config.d_model, n_heads)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     log = []
