@@ -194,6 +194,22 @@ def test_fp8_linear_gradients_follow_the_fp32_ones():
         F.Fp8Linear(w, grad_fmt="e3m4")
 
 
+def test_fp8_linear_backward_reads_dy_in_its_grad_format():
+    """dgrad and wgrad run on dY's codes in grad_fmt (E5M2 under HYBRID), exactly: a backward that
+    ignored grad_fmt, or cast dY to the other format, would differ from one of the two references."""
+    g = torch.Generator().manual_seed(4)
+    x, w, dy = torch.randn(32, 48, generator=g), torch.randn(24, 48, generator=g), torch.randn(32, 24, generator=g)
+    (xq, sx), (wq, sw) = F.quantize_current(x, "e4m3"), F.quantize_current(w, "e4m3")
+    grads = {}
+    for fmt in ("e5m2", "e4m3"):
+        lin, xx = F.Fp8Linear(w, grad_fmt=fmt), x.clone().requires_grad_(True)
+        lin(xx).backward(dy)
+        gq, sg = F.quantize_current(dy, fmt)
+        assert torch.equal(xx.grad, F.fp8_matmul_ref(gq, wq, sg, sw))                 # dX = dY W
+        assert torch.equal(lin.weight.grad, F.fp8_matmul_ref(gq.t(), xq, sg, sx))     # dW = dY^T X
+        grads[fmt] = xx.grad
+    assert not torch.equal(grads["e5m2"], grads["e4m3"])
+
 def test_fp8_blocks_keeps_embeddings_norms_and_head():
     from kernels.model.gpt import GPT, GPTConfig
     model = F.fp8_blocks(GPT(GPTConfig(n_layer=1)))
