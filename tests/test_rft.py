@@ -107,14 +107,14 @@ def test_committed_run_reproduces_its_first_samples(seed):
     threads = torch.get_num_threads()
     try:
         got = rft.run(None, tol=meta["tol"], train_prompts=meta["train_prompts"], k=meta["k"], seed=seed,
-                      progress=False, stop_after_collect=60)
+                      progress=False, stop_after_collect=125)
     finally:
         torch.set_num_threads(threads)
-    assert got["c"] == meta["collect"]["c"][:60] and got["first"] == meta["collect"]["first"][:60]
+    assert got["c"] == meta["collect"]["c"][:125] and got["first"] == meta["collect"]["first"][:125]
     n = {}
     for a, b, _ in got["kept"]:
         n[(a, b)] = n.get((a, b), 0) + 1
-    assert list(n.values()) == [d for d in meta["collect"]["distinct_per_prompt"][:60] if d]
+    assert list(n.values()) == [d for d in meta["collect"]["distinct_per_prompt"][:125] if d]
 
 
 @pytest.fixture(scope="module")
