@@ -292,6 +292,42 @@ def run(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int 
     return meta
 
 
+def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int = 8, eval_prompts: int = 100,
+                 n_eval: int = 32, steps: int = 60, lr: float = 3e-4, seed: int = 0, progress: bool = True) -> dict:
+    """One more round of the loop (STaR, ReST-EM): rebuild :func:`run`'s ``rft`` model (same seed: the same
+    samples and batches, so its held-out counts must equal the stored ones), sample the same training prompts
+    from it, keep the distinct accepted strings, fine-tune the SFT model on them (both papers restart each
+    round from the base model) and evaluate as :func:`run` does. Writes out_dir/seed{seed}-round2.json."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    base = sft.load_sft()
+    train_pairs, held_out = task.split_pairs()
+    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    kept = sample_groups(base, pool, k, torch.Generator().manual_seed(seed), tol=tol)["kept"]
+    results, sampler = {}, None
+    for name, gen_seed in (("rft", seed), ("rft_round2", seed + 3)):
+        if sampler is not None:                                           # round 2: the round-1 model samples
+            col = sample_groups(sampler, pool, k, torch.Generator().manual_seed(gen_seed), tol=tol)
+            kept = col["kept"]
+            results["collect"] = {"c": col["c"], "kept_distinct": len(kept), "kept_every": len(col["every"]),
+                                  "distinct_per_prompt": _distinct_per_prompt(kept, pool)}
+        model = copy.deepcopy(base)
+        finetune(model, kept, steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed + 1),
+                 desc=f"fine-tune {name}" if progress else None)
+        model.eval()
+        ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2), tol=tol)
+        results[name] = {"examples": len(kept), "c": ev["c"], "first": ev["first"],
+                         "distinct_per_prompt": _distinct_per_prompt(ev["kept"], held_out)}
+        sampler = model
+    meta = {"seed": seed, "tol": tol, "train_prompts": train_prompts, "k": k, "steps": steps, "lr": lr,
+            **results, "seconds": round(time.perf_counter() - start, 1),
+            "command": f"python -m kernels.rl.rft --round2 --seeds {seed}"}
+    if out_dir is not None:
+        (out_dir / f"seed{seed}-round2.json").write_text(json.dumps(meta) + "\n")
+    return meta
+
+
 def _distinct_per_prompt(kept: list[tuple[int, int, str]], pairs: torch.Tensor) -> list[int]:
     """How many distinct accepted answers each of ``pairs`` (P, 2) has among ``kept`` (distinct-filtered)."""
     n = {}
@@ -304,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.rl.rft", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
+    p.add_argument("--round2", action="store_true", help="one more round from each seed's RFT model (second_round)")
     args = p.parse_args(argv)
-    for seed in args.seeds:
+    for seed in args.seeds if args.round2 else ():
+        meta = second_round(args.out, seed=seed)
+        print(seed, {m: sum(meta[m]["c"]) for m in ("rft", "rft_round2")}, meta["seconds"])
+    for seed in () if args.round2 else args.seeds:
         meta = run(args.out, seed=seed)
         print(seed, {m: sum(r["c"]) for m, r in meta["models"].items()}, meta["seconds"])
     return 0
