@@ -328,6 +328,41 @@ def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600
     return meta
 
 
+TEMPERATURES = (0.7, 1.3)
+
+
+def collect_temperature(out_dir: Path | None, *, temperatures=TEMPERATURES, tol: int = 1, train_prompts: int = 600,
+                        k: int = 8, eval_prompts: int = 100, n_eval: int = 32, steps: int = 60, lr: float = 3e-4,
+                        seed: int = 0, progress: bool = True) -> dict:
+    """The sampling temperature of the collection as a knob: :func:`run`'s ``rft`` arm with the training prompts
+    sampled at each of ``temperatures`` instead of 1 (Yuan et al. sample at 0.7); fine-tuning and evaluation
+    (at temperature 1) as in :func:`run`. Writes out_dir/seed{seed}-temperature.json."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    base = sft.load_sft()
+    train_pairs, held_out = task.split_pairs()
+    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    results = {}
+    for t in temperatures:
+        col = sample_groups(base, pool, k, torch.Generator().manual_seed(seed), tol=tol, temperature=t)
+        model = copy.deepcopy(base)
+        finetune(model, col["kept"], steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed + 1),
+                 desc=f"fine-tune rft, collected at T={t}" if progress else None)
+        model.eval()
+        ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2), tol=tol)
+        results[str(t)] = {"collect": {"c": col["c"], "kept_distinct": len(col["kept"]), "kept_every": len(col["every"]),
+                                       "distinct_per_prompt": _distinct_per_prompt(col["kept"], pool)},
+                           "c": ev["c"], "first": ev["first"],
+                           "distinct_per_prompt": _distinct_per_prompt(ev["kept"], held_out)}
+    meta = {"seed": seed, "tol": tol, "train_prompts": train_prompts, "k": k, "steps": steps, "lr": lr,
+            "temperatures": list(temperatures), "runs": results, "seconds": round(time.perf_counter() - start, 1),
+            "command": f"python -m kernels.rl.rft --temperature --seeds {seed}"}
+    if out_dir is not None:
+        (out_dir / f"seed{seed}-temperature.json").write_text(json.dumps(meta) + "\n")
+    return meta
+
+
 def _distinct_per_prompt(kept: list[tuple[int, int, str]], pairs: torch.Tensor) -> list[int]:
     """How many distinct accepted answers each of ``pairs`` (P, 2) has among ``kept`` (distinct-filtered)."""
     n = {}
@@ -341,7 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
     p.add_argument("--round2", action="store_true", help="one more round from each seed's RFT model (second_round)")
+    p.add_argument("--temperature", action="store_true", help="the rft arm collected at TEMPERATURES")
     args = p.parse_args(argv)
+    for seed in args.seeds if args.temperature else ():
+        meta = collect_temperature(args.out, seed=seed)
+        print(seed, {t: sum(r["c"]) for t, r in meta["runs"].items()}, meta["seconds"])
+    if args.temperature:
+        return 0
     for seed in args.seeds if args.round2 else ():
         meta = second_round(args.out, seed=seed)
         print(seed, {m: sum(meta[m]["c"]) for m in ("rft", "rft_round2")}, meta["seconds"])
