@@ -97,7 +97,7 @@ def test_bad_inputs_are_refused():
         O.train_arm("ppo", {})
 
 
-def test_self_judge_ties_only_the_same_answer_and_ignores_order():
+def test_likelihood_judge_ties_only_the_same_answer_and_ignores_order():
     from kernels.rl import sft, task
 
     model = sft.load_sft()
@@ -105,9 +105,9 @@ def test_self_judge_ties_only_the_same_answer_and_ignores_order():
     ans = lambda s: torch.tensor([[*x.encode(), task.END, 0, 0][: task.MAX_ANSWER] for x in s])  # noqa: E731
     a, b = ans(["42", "12", "81"]), ans(["42", "13", "9"])
     b[0, 3] = 77                                     # after END: not part of the answer, still the same answer
-    sa, sb = O.judge_scores("self", model, a, b, pairs)
+    sa, sb = O.judge_scores("likelihood", model, a, b, pairs)
     assert bool(sa[0] == sb[0]) and bool((sa[1:] != sb[1:]).all())
-    sb2, sa2 = O.judge_scores("self", model, b, a, pairs)
+    sb2, sa2 = O.judge_scores("likelihood", model, b, a, pairs)
     assert torch.equal(torch.sign(sa - sb), torch.sign(sa2 - sb2))
 
 
@@ -120,41 +120,77 @@ def run():
     from kernels.rl import sft
 
     out = sft.OUT_DIR / "online-dpo"
-    return json.loads((out / "metrics.json").read_text()), {a: sft.read_log(out / f"{a}.csv") for a in O.ARMS}
+    meta = json.loads((out / "metrics.json").read_text())
+    seeds = {s: json.loads((out / f"seed{s}" / "metrics.json").read_text()) for s in meta["seeds"]}
+    logs = {s: {a: sft.read_log(out / f"seed{s}" / f"{a}.csv") for a in O.ARMS} for s in meta["seeds"]}
+    return meta, seeds, logs
 
 
 def test_committed_logs_are_consistent(run):
     from kernels.rl import sft
 
-    meta, logs = run
-    for arm, log in logs.items():
-        assert len(log) == meta["steps"] + 1
-        assert log[-1]["held_out_accuracy"] == pytest.approx(meta[f"{arm}_held_out_accuracy"])
-        assert all(0 < r["pairs"] <= meta["batch"] for r in log[1:])
-        assert sum(r["pairs"] for r in log[1:]) == meta[f"{arm}_pairs_trained"]
-    assert all(r["ties"] == 0 for r in logs["offline"][1:])
-    dpo = sft.read_log(sft.OUT_DIR / "dpo" / "dpo.csv")          # the DPO chapter's run on the same pairs and seed
-    assert [r["loss"] for r in logs["offline"][1:4]] == [r["loss"] for r in dpo[1:4]]
-    assert logs["offline"][-1]["held_out_accuracy"] == dpo[-1]["held_out_accuracy"]
-    j = meta["judge_sft_held_out"]
-    assert j["verifier_decisive"] + j["verifier_ties"] == j["pairs"]
-    assert j["self_agrees"] + j["self_disagrees"] + j["self_tied_on_decisive"] == j["verifier_decisive"]
+    meta, seeds, logs = run
+    assert sorted(seeds) == [0, 1, 2]
+    for s, by_arm in logs.items():
+        for arm, log in by_arm.items():
+            assert len(log) == meta["steps"] + 1
+            assert log[-1]["held_out_accuracy"] == pytest.approx(seeds[s][f"{arm}_held_out_accuracy"])
+            assert all(0 < r["pairs"] <= meta["batch"] for r in log[1:])
+            assert sum(r["pairs"] for r in log[1:]) == seeds[s][f"{arm}_pairs_trained"]
+        assert all(r["ties"] == 0 for r in by_arm["offline"][1:])
+        assert len({by_arm[a][0]["held_out_accuracy"] for a in O.ARMS}) == 1     # every arm starts from the SFT model
+    dpo = sft.read_log(sft.OUT_DIR / "dpo" / "dpo.csv")          # the DPO chapter's run: same pairs, seed and lr
+    steps = meta["steps"]
+    assert [r["loss"] for r in logs[0]["offline"][1:steps + 1]] == [r["loss"] for r in dpo[1:steps + 1]]
+    assert logs[0]["offline"][steps]["held_out_accuracy"] == dpo[steps]["held_out_accuracy"]
+    for j in [meta["judge_sft_held_out"]] + [seeds[s]["judge_trained_held_out"] for s in seeds]:
+        assert j["verifier_decisive"] + j["verifier_ties"] == j["pairs"]
+        for judge in ("likelihood", "majority") if "majority_agrees" in j else ("likelihood",):
+            assert j[f"{judge}_agrees"] + j[f"{judge}_disagrees"] + j[f"{judge}_tied_on_decisive"] == j["verifier_decisive"]
 
 
-def test_a_short_slice_of_each_arm_reproduces(run):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_first_steps_of_each_arm_reproduce(run, seed):
     from kernels.rl import sft
 
-    meta, logs = run
+    meta, _, logs = run
     old = torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")
     threads = torch.get_num_threads()
     try:
         for arm in O.ARMS:
-            rerun = O.train_arm(arm, old, steps=meta["steps"], lr=meta["lr"], progress=False, stop_after=2)["log"]
-            for got, want in zip(rerun[1:3], logs[arm][1:3]):
+            rerun = O.train_arm(arm, old, steps=meta["steps"], lr=meta["lr"], prompts=meta["prompts_per_step"],
+                                seed=seed, progress=False, stop_after=2)["log"]
+            assert rerun[0]["held_out_accuracy"] == pytest.approx(logs[seed][arm][0]["held_out_accuracy"]), arm
+            for got, want in zip(rerun[1:3], logs[seed][arm][1:3]):   # step 1's loss is log 2 (policy = reference)
                 assert got["pairs"] == want["pairs"] and got["ties"] == want["ties"], arm
-                assert abs(got["loss"] - want["loss"]) < 1e-3, arm
+                assert abs(got["loss"] - want["loss"]) < 1e-3, arm     # step 2's is not: it follows step 1's update
     finally:
         torch.set_num_threads(threads)
+
+
+def test_majority_judge_scores_the_most_common_answer():
+    from kernels.rl import task
+
+    ids = lambda s: [*s.encode(), task.END] + [task.END] * (task.MAX_ANSWER - len(s) - 1)  # noqa: E731
+    a = torch.tensor([ids("42"), ids("41"), ids("7")])
+    b = torch.tensor([ids("41"), ids("41"), ids("8")])
+    sa, sb = O.majority_scores(a, b, [b"42", b"42", None])
+    assert sa.tolist() == [1.0, 0.0, 0.0] and sb.tolist() == [0.0, 0.0, 0.0]   # a wins; a tie; no majority: a tie
+
+
+
+def test_majority_answers_count_votes_per_prompt(monkeypatch):
+    from kernels.rl import task
+
+    ids = lambda s: [*s.encode(), task.END] + [task.END] * (task.MAX_ANSWER - len(s) - 1)  # noqa: E731
+    rows = ["12", "13", "13", "12",  "5", "6", "6", "5",  "9", "9", "8", "8"]   # 3 prompts x 4 votes
+    comp = torch.tensor([ids(r) for r in rows])
+    comp[5, -1] = ord("1")                                        # after END: not part of the answer
+    monkeypatch.setattr(task, "sample", lambda model, pairs, **kw: comp[: len(pairs)])
+    got = O.majority_answers(None, torch.zeros(3, 2, dtype=torch.long), 4, torch.Generator())
+    assert got == [b"12", b"5", b"9"]                            # equal counts: the first sampled wins
+    comp[7] = torch.tensor(ids("6"))
+    assert O.majority_answers(None, torch.zeros(3, 2, dtype=torch.long), 4, torch.Generator())[1] == b"6"
 
 
 # ---------------------------------------------------------------- ahead of time

@@ -81,14 +81,40 @@ def test_filter_keeps_distinct_correct_answers():
     assert rft.keep_correct(comp, pairs, 3, distinct=False) == [(12, 30, "42"), (12, 30, "42"), (5, 5, "10")]
 
 
-def test_committed_run_reproduces_its_first_samples():
-    meta = json.loads((rft.OUT / "metrics.json").read_text())
+def test_multi_answer_filter_keeps_each_accepted_string_once():
+    pairs = torch.tensor([[12, 30]] * 4)
+    ids = lambda s: [*s.encode(), task.END] + [task.END] * (task.MAX_ANSWER - len(s) - 1)  # noqa: E731
+    comp = torch.tensor([ids("43"), ids("41"), ids("43"), ids("44")])
+    assert rft.accepted(12, 30, 1) == {b"41", b"42", b"43"} and rft.accepted(0, 0, 1) == {b"0", b"1"}
+    assert rft.rewards_within(comp, pairs, 1).tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert rft.keep_correct(comp, pairs, 4, tol=1) == [(12, 30, "43"), (12, 30, "41")]
+    assert len(rft.keep_correct(comp, pairs, 4, tol=1, distinct=False)) == 3
+
+
+def test_tolerance_zero_is_the_task_reward():
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.randint(0, 100, (300, 2), generator=g)
+    comp = torch.randint(48, 58, (300, task.MAX_ANSWER), generator=g)     # random digits ...
+    comp[:, 2] = task.END                                                 # ... two of them, then END
+    comp[:100, :2] = torch.tensor([[ord(c) for c in f"{a + b:02d}"[-2:]] for a, b in pairs[:100].tolist()])
+    assert torch.equal(rft.rewards_within(comp, pairs, 0), task.rewards(comp, pairs))
+    assert rft.rewards_within(comp, pairs, 0).sum() > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_committed_run_reproduces_its_first_samples(seed):
+    meta = json.loads((rft.OUT / f"seed{seed}.json").read_text())
     threads = torch.get_num_threads()
     try:
-        got = rft.run(None, train_prompts=meta["train_prompts"], k=meta["k"], progress=False, stop_after_collect=125)
+        got = rft.run(None, tol=meta["tol"], train_prompts=meta["train_prompts"], k=meta["k"], seed=seed,
+                      progress=False, stop_after_collect=125)
     finally:
         torch.set_num_threads(threads)
     assert got["c"] == meta["collect"]["c"][:125] and got["first"] == meta["collect"]["first"][:125]
+    n = {}
+    for a, b, _ in got["kept"]:
+        n[(a, b)] = n.get((a, b), 0) + 1
+    assert list(n.values()) == [d for d in meta["collect"]["distinct_per_prompt"][:125] if d]
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,27 @@ for a score of each (s_a, s_b), and takes the DPO loss on the pair the judge ord
     h = beta * z * ((log pi(y_a) - log pi_ref(y_a)) - (log pi(y_b) - log pi_ref(y_b)))
     loss = sum_{z != 0} -log sigma(h) / #{z != 0}         a tie gives no pair: it is masked, not averaged in
 
-Two judges here. ``verifier``: the exact reward of kernels.rl.task (1 if right, else 0), so two right or
-two wrong answers tie. ``self``: an AI judge made of the tiny GPT itself, the frozen SFT model scoring each
-answer by its mean per-token log-likelihood (RLAIF with the model as its own annotator, Lee et al. 2023);
-it never ties unless the two answers are the same, and it is wrong wherever the model is confidently wrong.
+Three judges here. ``verifier``: the exact reward of kernels.rl.task (1 if right, else 0), so two right or
+two wrong answers tie. ``likelihood``: the frozen SFT model scoring each answer by its mean per-token
+log-likelihood, a stand-in for an AI judge built from the tiny GPT (it cannot read a judge prompt); it never
+ties unless the two answers are the same, and it is wrong wherever the model is confidently wrong.
+``majority`` (measured against the verifier, not trained with): self-consistency, 1 for an answer equal to
+the most common of MAJORITY_VOTES samples of the frozen SFT model, else 0.
 
 The fused kernel turns the four summed log-probs and two judge scores of each pair into its label, its loss
 and its gradients in one pass. Broken variants for the tests: MASK_TIES=False counts a tie as "a preferred",
 SWAP=True trains towards the rejected answer.
 
-``python -m kernels.rl.online_dpo`` trains four arms from the SFT checkpoint with the same steps, pairs per
-step, beta and learning rate: offline DPO on models/rl/dpo/pairs.pt; fresh verifier-labelled pairs sampled
-from the frozen SFT model (off-policy, as many distinct pairs as online); online DPO judged by the verifier;
-online DPO judged by the model itself. It measures the self-judge against the verifier on held-out prompts
-and writes models/rl/online-dpo/.
+``python -m kernels.rl.online_dpo --seeds 0 1 2`` trains four arms from the SFT checkpoint for each seed with
+the same steps, pairs per step, beta and learning rate: offline DPO on models/rl/dpo/pairs.pt; fresh
+verifier-labelled pairs sampled from the frozen SFT model (off-policy, as many distinct pairs as online);
+online DPO judged by the verifier; online DPO judged by the likelihood judge. ``--judges`` measures the
+likelihood and majority judges against the verifier on held-out prompts. Output: models/rl/online-dpo/.
 """
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +41,7 @@ from kernels.rl import sft, task
 from kernels.rl.preference import _log_sigmoid, sequence_logprobs
 
 BLOCK = 1024
-JUDGES = ("verifier", "self")
+JUDGES = ("verifier", "likelihood")
 
 
 def online_dpo_loss_ref(pa, pb, qa, qb, sa, sb, *, beta: float = 0.1):
@@ -146,11 +150,11 @@ def same_answer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def judge_scores(judge: str, judge_model, a: torch.Tensor, b: torch.Tensor, pairs: torch.Tensor):
     """Scores (sa, sb) of answers a and b (P, L) to ``pairs`` (P, 2). ``verifier``: the task's 0/1 reward.
-    ``self``: ``judge_model``'s mean per-token log-likelihood of each answer, scored one answer at a time
+    ``likelihood``: ``judge_model``'s mean per-token log-likelihood of each answer, scored one answer at a time
     (the judge never sees the two together, so it cannot prefer a position); the same answer twice is a tie."""
     if judge == "verifier":
         return task.rewards(a, pairs), task.rewards(b, pairs)
-    if judge != "self":
+    if judge != "likelihood":
         raise ValueError(f"judge_scores: judge must be one of {JUDGES}, got {judge!r}")
     la, na = sequence_logprobs(judge_model, a, pairs)
     lb, nb = sequence_logprobs(judge_model, b, pairs)
@@ -159,25 +163,54 @@ def judge_scores(judge: str, judge_model, a: torch.Tensor, b: torch.Tensor, pair
     return sa, torch.where(same, sa, sb)
 
 
+MAJORITY_VOTES = 8
+
+
 @torch.no_grad()
-def judge_agreement(judge_model, policy, pairs: torch.Tensor, gen: torch.Generator) -> dict:
-    """Two answers per prompt from ``policy``; the self-judge against the verifier on them (exact counts)."""
+def majority_answers(model, pairs: torch.Tensor, votes: int, gen: torch.Generator) -> list[bytes | None]:
+    """Self-consistency: ``votes`` answers from ``model`` to each of ``pairs`` (P, 2) at temperature 1, and the
+    most common one per prompt (cut at its first END; the first sampled wins a tie of counts; None = no END)."""
+    comp = task.sample(model, pairs.repeat_interleave(votes, 0), temperature=1.0, generator=gen)   # (P*votes, L)
+    cut = [bytes(r[: r.index(task.END)]) if task.END in r else None for r in comp.tolist()]
+    return [Counter(cut[i: i + votes]).most_common(1)[0][0] for i in range(0, len(cut), votes)]
+
+
+def majority_scores(a: torch.Tensor, b: torch.Tensor, majority: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The majority-vote judge: score 1 for an answer (P, L) equal to its prompt's majority answer, else 0."""
+    def score(c):
+        return torch.tensor([float(m is not None and task.END in r and bytes(r[: r.index(task.END)]) == m)
+                             for r, m in zip(c.tolist(), majority)])
+    return score(a), score(b)
+
+
+@torch.no_grad()
+def judge_agreement(judge_model, policy, pairs: torch.Tensor, gen: torch.Generator, *, majority: bool = False) -> dict:
+    """Two answers per prompt from ``policy``; the self-judge (and with ``majority``, the majority-vote judge of
+    MAJORITY_VOTES samples of ``judge_model``, drawn after the pairs) against the verifier (exact counts)."""
     rep = pairs.repeat_interleave(2, 0)
     comp = task.sample(policy, rep, temperature=1.0, generator=gen)
     a, b = comp[0::2], comp[1::2]
     va, vb = judge_scores("verifier", None, a, b, pairs)
-    sa, sb = judge_scores("self", judge_model, a, b, pairs)
-    zv, zs = torch.sign(va - vb), torch.sign(sa - sb)
+    zv = torch.sign(va - vb)
     decisive = zv != 0
-    return {"pairs": len(pairs), "verifier_decisive": int(decisive.sum()), "verifier_ties": int((~decisive).sum()),
-            "both_right": int(((va == 1) & (vb == 1)).sum()), "self_ties": int((zs == 0).sum()),
-            "self_agrees": int((decisive & (zs == zv)).sum()), "self_disagrees": int((decisive & (zs == -zv)).sum()),
-            "self_tied_on_decisive": int((decisive & (zs == 0)).sum())}
+    out = {"pairs": len(pairs), "verifier_decisive": int(decisive.sum()), "verifier_ties": int((~decisive).sum()),
+           "both_right": int(((va == 1) & (vb == 1)).sum())}
+    judges = {"likelihood": judge_scores("likelihood", judge_model, a, b, pairs)}
+    if majority:
+        votes = majority_answers(judge_model, pairs, MAJORITY_VOTES, gen)
+        judges["majority"] = majority_scores(a, b, votes)
+        out["majority_is_right"] = sum(m == str(x + y).encode() for m, (x, y) in zip(votes, pairs.tolist()))
+    for name, (sa, sb) in judges.items():
+        zs = torch.sign(sa - sb)
+        out.update({f"{name}_ties": int((zs == 0).sum()), f"{name}_agrees": int((decisive & (zs == zv)).sum()),
+                    f"{name}_disagrees": int((decisive & (zs == -zv)).sum()),
+                    f"{name}_tied_on_decisive": int((decisive & (zs == 0)).sum())})
+    return out
 
 
 # ---------------------------------------------------------------- the three arms
 
-ARMS = ("offline", "offpolicy-verifier", "online-verifier", "online-self")
+ARMS = ("offline", "offpolicy-verifier", "online-verifier", "online-likelihood")
 
 
 def _fresh_batch(policy, reference, judge: str, train_pairs, prompts: int, batch: int, gen, *, sampler=None):
@@ -267,40 +300,25 @@ def train_arm(arm: str, old: dict, *, steps: int = 120, batch: int = 32, prompts
     return {"log": log, "model": policy}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """python -m kernels.rl.online_dpo: the three arms and the judge's agreement; writes models/rl/online-dpo/."""
-    import argparse
+SEEDS = (0, 1, 2)
+
+
+def run_seed(seed: int, out: Path, *, steps: int, lr: float, prompts: int, arms=ARMS) -> dict:
+    """Train ``arms`` from the SFT checkpoint with ``seed``; write out/seed{seed}/{arm}.csv and its metrics.json."""
     import csv
     import json
     import time
 
-    p = argparse.ArgumentParser(prog="python -m kernels.rl.online_dpo")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
-                   help="run only these arms and update their entries in an existing metrics.json")
-    args = p.parse_args(argv)
-    out = sft.OUT_DIR / "online-dpo"
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
     old = torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")
-    meta = {"steps": args.steps, "batch": 32, "prompts_per_step": 256, "beta": 0.1, "lr": args.lr, "seed": 0,
-            "old_pairs": len(old["pairs"]), "torch": torch.__version__, "command": "python -m kernels.rl.online_dpo"}
     sft_model = sft.load_sft()
     _, held_out = task.split_pairs()
-    if args.arms != list(ARMS):
-        meta = dict(json.loads((out / "metrics.json").read_text()), **{k: meta[k] for k in ("steps", "lr")})
-        for arm in args.arms:
-            meta[f"{arm}_command"] = "python -m kernels.rl.online_dpo --arms " + " ".join(args.arms)
-    else:
+    d = out / f"seed{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {"seed": seed, "torch": torch.__version__}
+    for arm in arms:
         start = time.perf_counter()
-        meta["judge_sft_held_out"] = judge_agreement(sft_model, sft_model, held_out.repeat(4, 1), torch.Generator().manual_seed(7))
-        meta["judge_seconds"] = round(time.perf_counter() - start, 1)
-    for arm in args.arms:
-        start = time.perf_counter()
-        res = train_arm(arm, old, steps=args.steps, lr=args.lr)
-        log = res["log"]
-        with open(out / f"{arm}.csv", "w", newline="") as f:
+        log = (res := train_arm(arm, old, steps=steps, lr=lr, prompts=prompts, seed=seed))["log"]
+        with open(d / f"{arm}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(log[0]))
             writer.writeheader()
             writer.writerows(log)
@@ -308,11 +326,45 @@ def main(argv: list[str] | None = None) -> int:
         meta[f"{arm}_held_out_accuracy"] = log[-1]["held_out_accuracy"]
         meta[f"{arm}_pairs_trained"] = sum(r["pairs"] for r in log[1:])
         meta[f"{arm}_judge_ties"] = sum(r["ties"] for r in log[1:])
-        if arm == "online-self":      # the judge against the verifier on the answers of the policy it trained
+        if arm == "online-likelihood":      # the judge against the verifier on the answers of the policy it trained
             meta["judge_trained_held_out"] = judge_agreement(sft_model, res["model"].eval(), held_out.repeat(4, 1),
                                                              torch.Generator().manual_seed(7))
+        (d / "metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m kernels.rl.online_dpo: the judges' agreement (--judges) or the four arms for --seeds;
+    writes models/rl/online-dpo/ (metrics.json: settings and judges; seed{s}/: each seed's logs)."""
+    import argparse
+    import json
+    import time
+
+    p = argparse.ArgumentParser(prog="python -m kernels.rl.online_dpo")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--prompts", type=int, default=128, help="prompts sampled per step (two answers each)")
+    p.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
+    p.add_argument("--judges", action="store_true", help="measure the judges on held-out pairs and write metrics.json")
+    args = p.parse_args(argv)
+    out = sft.OUT_DIR / "online-dpo"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    if args.judges:
+        _, held_out = task.split_pairs()
+        sft_model = sft.load_sft()
+        meta = {"steps": args.steps, "batch": 32, "prompts_per_step": args.prompts, "beta": 0.1, "lr": args.lr,
+                "seeds": list(SEEDS), "old_pairs": len(torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")["pairs"]),
+                "majority_votes": MAJORITY_VOTES, "torch": torch.__version__,
+                "command": "python -m kernels.rl.online_dpo --judges; python -m kernels.rl.online_dpo --seeds S"}
+        start = time.perf_counter()
+        meta["judge_sft_held_out"] = judge_agreement(sft_model, sft_model, held_out.repeat(4, 1),
+                                                     torch.Generator().manual_seed(7), majority=True)
+        meta["judge_seconds"] = round(time.perf_counter() - start, 1)
         (out / "metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(meta)
+        print(meta)
+    for seed in args.seeds:
+        print(run_seed(seed, out, steps=args.steps, lr=args.lr, prompts=args.prompts))
     return 0
 
 

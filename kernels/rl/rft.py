@@ -11,9 +11,12 @@ without bias from n >= k samples of which c are correct (Chen et al. 2021):
 The product form never forms a binomial coefficient (C(200, 100) ~ 9e58 overflows float32). The
 plug-in estimate 1 - (1 - c/n)^k is biased (it samples with replacement); it is the broken variant.
 
-``python -m kernels.rl.rft`` samples the training prompts from models/rl/sft, fine-tunes on the kept
-samples (and, as controls, on every correct sample and on the reference answers of the same
-prompts), samples the held-out set n times per model, and writes models/rl/rft/metrics.json.
+The committed run uses a multi-answer version of the task: the verifier accepts a + b - 1, a + b and
+a + b + 1 (``accepted``, tol = 1), so a prompt can have up to three distinct accepted strings and the
+distinct filter has something to select. ``python -m kernels.rl.rft`` (seeds 0, 1, 2) samples the training
+prompts from models/rl/sft, fine-tunes on the kept samples (and, as controls, on every accepted sample and
+on the exact sums of the same prompts), samples held-out prompts n times per model, and writes
+models/rl/rft/seed{s}.json.
 """
 from __future__ import annotations
 
@@ -43,12 +46,24 @@ def answers(completions: torch.Tensor) -> list[bytes | None]:
     return [bytes(row[: row.index(task.END)]) if task.END in row else None for row in completions.tolist()]
 
 
+def accepted(a: int, b: int, tol: int) -> set[bytes]:
+    """The answers the verifier accepts for a + b: the decimal strings of a + b + d, |d| <= tol (tol = 0: the
+    task's one answer; tol = 1: the multi-answer task "a + b within one", three strings)."""
+    return {str(a + b + d).encode() for d in range(-tol, tol + 1) if a + b + d >= 0}
+
+
+def rewards_within(completions: torch.Tensor, pairs: torch.Tensor, tol: int) -> torch.Tensor:
+    """1.0 where the completion (B, L), cut at its first END, is one of accepted(a, b, tol); (B,). tol = 0 is
+    kernels.rl.task.rewards."""
+    return torch.tensor([float(ans in accepted(a, b, tol)) for ans, (a, b) in zip(answers(completions), pairs.tolist())])
+
+
 def keep_correct(completions: torch.Tensor, pairs: torch.Tensor, group_size: int, *,
-                 distinct: bool = True) -> list[tuple[int, int, str]]:
+                 distinct: bool = True, tol: int = 0) -> list[tuple[int, int, str]]:
     """The verifier as a filter: (a, b, answer) for every accepted completion; completions (P*G, L) are
     G samples of each of P pairs (P*G, 2), in groups. ``distinct`` keeps one copy of each distinct
     accepted answer per prompt (Yuan et al. 2023), else every accepted sample."""
-    ok = task.rewards(completions, pairs).bool().tolist()
+    ok = rewards_within(completions, pairs, tol).bool().tolist()
     kept, seen = [], set()
     for i, (ans, (a, b), good) in enumerate(zip(answers(completions), pairs.tolist(), ok)):
         if not good:
@@ -62,19 +77,21 @@ def keep_correct(completions: torch.Tensor, pairs: torch.Tensor, group_size: int
 
 
 def sample_groups(model, pairs: torch.Tensor, n: int, gen: torch.Generator, *, chunk: int = 125,
-                  temperature: float = 1.0, desc: str | None = None) -> dict:
-    """n samples for each pair (P, 2), ``chunk`` prompts at a time: per-prompt correct counts c (P,),
-    first correct sample's index (P,; -1 when none), and the distinct-kept RFT examples."""
-    counts, first, kept = [], [], []
+                  temperature: float = 1.0, tol: int = 0, desc: str | None = None) -> dict:
+    """n samples for each pair (P, 2), ``chunk`` prompts at a time: per-prompt accepted counts c (P,),
+    first accepted sample's index (P,; -1 when none), and the examples (a, b, answer) keep_correct keeps:
+    ``kept`` with the distinct filter, ``every`` without."""
+    counts, first, kept, every = [], [], [], []
     for s in tqdm(range(0, len(pairs), chunk), desc=desc, disable=desc is None, leave=False):
         p = pairs[s: s + chunk]
         rep = p.repeat_interleave(n, 0)                                              # (chunk*n, 2)
         comp = task.sample(model, rep, temperature=temperature, generator=gen)
-        r = task.rewards(comp, rep).view(len(p), n)                                 # (chunk, n)
+        r = rewards_within(comp, rep, tol).view(len(p), n)                          # (chunk, n)
         counts += r.sum(1).long().tolist()
         first += torch.where(r.any(1), r.argmax(1), torch.full((len(p),), -1)).tolist()
-        kept += keep_correct(comp, rep, n)
-    return {"c": counts, "first": first, "kept": kept}
+        kept += keep_correct(comp, rep, n, tol=tol)
+        every += keep_correct(comp, rep, n, distinct=False, tol=tol)
+    return {"c": counts, "first": first, "kept": kept, "every": every}
 
 
 # ---------------------------------------------------------------- pass@k, references
@@ -201,18 +218,18 @@ def compile_jobs() -> dict:
 
 # ---------------------------------------------------------------- the run
 
-def finetune(model, examples: list[tuple[int, int]], *, steps: int, lr: float, gen: torch.Generator,
+def finetune(model, examples: list[tuple[int, int, str]], *, steps: int, lr: float, gen: torch.Generator,
              examples_per_step: int = 96, desc: str | None = None) -> list[float]:
-    """kernels.rl.sft's training path (packed, prompt-masked) on ``examples`` (pairs whose answer the
-    verifier accepted, or reference answers); warm-up 20 steps, cosine to lr/10. Returns the losses."""
-    pairs = torch.tensor(examples, dtype=torch.long)
+    """kernels.rl.sft's training path (packed, prompt-masked) on ``examples`` (a, b, answer): accepted samples
+    or reference answers; warm-up 20 steps, cosine to lr/10. Returns the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
     losses = []
     for step in tqdm(range(steps), desc=desc, disable=desc is None, leave=False):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, max_lr=lr, min_lr=lr / 10, warmup=20, total=steps)
-        b = sft.batch(pairs, examples_per_step, gen, model.config.block_size, True)
+        pick = torch.randint(0, len(examples), (examples_per_step,), generator=gen).tolist()
+        b = sft.pack([sft.example(*examples[i][:2], answer=examples[i][2]) for i in pick], model.config.block_size)
         loss = sft.masked_loss(sft.packed_forward(model, b["ids"], b["positions"], sft.packed_mask(b["seq"])),
                                b["targets"])
         opt.zero_grad(set_to_none=True)
@@ -223,27 +240,29 @@ def finetune(model, examples: list[tuple[int, int]], *, steps: int, lr: float, g
     return losses
 
 
-def run(out_dir: Path | None, *, train_prompts: int = 3000, k: int = 16, n_eval: int = 128, steps: int = 200,
-        lr: float = 3e-4, seed: int = 0, threads: int = 1, progress: bool = True,
+SEEDS = (0, 1, 2)
+
+
+def run(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int = 8, eval_prompts: int = 100,
+        n_eval: int = 32, steps: int = 60, lr: float = 3e-4, seed: int = 0, threads: int = 1, progress: bool = True,
         stop_after_collect: int | None = None) -> dict:
-    """The committed run (see the module docstring). ``stop_after_collect`` samples only that many
-    training prompts and returns (a slice for the test)."""
+    """One seed of the committed run (see the module docstring); writes out_dir/seed{seed}.json.
+    ``stop_after_collect`` samples only that many training prompts and returns (a slice for the test)."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     start = time.perf_counter()
     base = sft.load_sft()
     train_pairs, held_out = task.split_pairs()
-    pool = train_pairs[:train_prompts]
+    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
     gen = torch.Generator().manual_seed(seed)
-    collect = sample_groups(base, pool[:stop_after_collect] if stop_after_collect else pool, k, gen,
+    collect = sample_groups(base, pool[:stop_after_collect] if stop_after_collect else pool, k, gen, tol=tol,
                             desc="sample train prompts" if progress else None)
     if stop_after_collect:
         return collect
-    assert all(ans == str(a + b) for a, b, ans in collect["kept"])     # a kept answer is the reference
-    distinct = [(a, b) for a, b, _ in collect["kept"]]
-    # every accepted sample (no dedupe): easy prompts appear up to k times
-    every = [(int(a), int(b)) for (a, b), c in zip(pool.tolist(), collect["c"]) for _ in range(c)]
-    reference = [tuple(p) for p in pool.tolist()]                      # the same prompts, reference answers
+    assert all(ans.encode() in accepted(a, b, tol) for a, b, ans in collect["kept"])
+    distinct = collect["kept"]
+    every = collect["every"]                  # every accepted sample: each string as often as it was sampled
+    reference = [(a, b, str(a + b)) for a, b in pool.tolist()]         # the same prompts, reference answers
     arms = {"sft": None, "rft": distinct, "rft_every_correct": every, "sft_more": reference}
     results = {}
     for name, data in arms.items():
@@ -253,31 +272,123 @@ def run(out_dir: Path | None, *, train_prompts: int = 3000, k: int = 16, n_eval:
             losses = finetune(model, data, steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed + 1),
                               desc=f"fine-tune {name}" if progress else None)
         model.eval()
-        ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2),
+        ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2), tol=tol,
                            desc=f"sample held-out ({name})" if progress else None)
         results[name] = {"examples": 0 if data is None else len(data),
                          "loss_first": round(losses[0], 4) if losses else None,
                          "loss_last": round(losses[-1], 4) if losses else None,
-                         "greedy_accuracy": task.accuracy(model, held_out),
-                         "c": ev["c"], "first": ev["first"]}
-    meta = {"train_prompts": train_prompts, "k": k, "n_eval": n_eval, "steps": steps, "lr": lr,
-            "examples_per_step": 96, "temperature": 1.0, "seed": seed, "threads": threads,
+                         "c": ev["c"], "first": ev["first"],
+                         "distinct_per_prompt": _distinct_per_prompt(ev["kept"], held_out)}
+    meta = {"tol": tol, "train_prompts": train_prompts, "k": k, "eval_prompts": eval_prompts, "n_eval": n_eval,
+            "steps": steps, "lr": lr, "examples_per_step": 96, "temperature": 1.0, "seed": seed, "threads": threads,
             "collect": {"c": collect["c"], "first": collect["first"], "kept_distinct": len(distinct),
-                        "kept_every": len(every), "rollouts": train_prompts * k},
+                        "kept_every": len(every), "rollouts": train_prompts * k,
+                        "distinct_per_prompt": _distinct_per_prompt(distinct, pool)},
             "models": results, "seconds": round(time.perf_counter() - start, 1),
-            "torch": torch.__version__, "command": "python -m kernels.rl.rft"}
+            "torch": torch.__version__, "command": f"python -m kernels.rl.rft --seeds {seed}"}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "metrics.json").write_text(json.dumps(meta) + "\n")
+        (out_dir / f"seed{seed}.json").write_text(json.dumps(meta) + "\n")
     return meta
+
+
+def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int = 8, eval_prompts: int = 100,
+                 n_eval: int = 32, steps: int = 60, lr: float = 3e-4, seed: int = 0, progress: bool = True) -> dict:
+    """One more round of the loop (STaR, ReST-EM): rebuild :func:`run`'s ``rft`` model (same seed: the same
+    samples and batches, so its held-out counts must equal the stored ones), sample the same training prompts
+    from it, keep the distinct accepted strings, fine-tune the SFT model on them (both papers restart each
+    round from the base model) and evaluate as :func:`run` does. Writes out_dir/seed{seed}-round2.json."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    base = sft.load_sft()
+    train_pairs, held_out = task.split_pairs()
+    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    kept = sample_groups(base, pool, k, torch.Generator().manual_seed(seed), tol=tol)["kept"]
+    results, sampler = {}, None
+    for name, gen_seed in (("rft", seed), ("rft_round2", seed + 3)):
+        if sampler is not None:                                           # round 2: the round-1 model samples
+            col = sample_groups(sampler, pool, k, torch.Generator().manual_seed(gen_seed), tol=tol)
+            kept = col["kept"]
+            results["collect"] = {"c": col["c"], "kept_distinct": len(kept), "kept_every": len(col["every"]),
+                                  "distinct_per_prompt": _distinct_per_prompt(kept, pool)}
+        model = copy.deepcopy(base)
+        finetune(model, kept, steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed + 1),
+                 desc=f"fine-tune {name}" if progress else None)
+        model.eval()
+        ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2), tol=tol)
+        results[name] = {"examples": len(kept), "c": ev["c"], "first": ev["first"],
+                         "distinct_per_prompt": _distinct_per_prompt(ev["kept"], held_out)}
+        sampler = model
+    meta = {"seed": seed, "tol": tol, "train_prompts": train_prompts, "k": k, "steps": steps, "lr": lr,
+            **results, "seconds": round(time.perf_counter() - start, 1),
+            "command": f"python -m kernels.rl.rft --round2 --seeds {seed}"}
+    if out_dir is not None:
+        (out_dir / f"seed{seed}-round2.json").write_text(json.dumps(meta) + "\n")
+    return meta
+
+
+TEMPERATURES = (0.7, 1.3)
+
+
+def collect_temperature(out_dir: Path | None, *, temperatures=TEMPERATURES, tol: int = 1, train_prompts: int = 600,
+                        k: int = 8, eval_prompts: int = 100, n_eval: int = 32, steps: int = 60, lr: float = 3e-4,
+                        seed: int = 0, progress: bool = True) -> dict:
+    """The sampling temperature of the collection as a knob: :func:`run`'s ``rft`` arm with the training prompts
+    sampled at each of ``temperatures`` instead of 1 (Yuan et al. sample at 0.7); fine-tuning and evaluation
+    (at temperature 1) as in :func:`run`. Writes out_dir/seed{seed}-temperature.json."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    base = sft.load_sft()
+    train_pairs, held_out = task.split_pairs()
+    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    results = {}
+    for t in temperatures:
+        col = sample_groups(base, pool, k, torch.Generator().manual_seed(seed), tol=tol, temperature=t)
+        model = copy.deepcopy(base)
+        finetune(model, col["kept"], steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed + 1),
+                 desc=f"fine-tune rft, collected at T={t}" if progress else None)
+        model.eval()
+        ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2), tol=tol)
+        results[str(t)] = {"collect": {"c": col["c"], "kept_distinct": len(col["kept"]), "kept_every": len(col["every"]),
+                                       "distinct_per_prompt": _distinct_per_prompt(col["kept"], pool)},
+                           "c": ev["c"], "first": ev["first"],
+                           "distinct_per_prompt": _distinct_per_prompt(ev["kept"], held_out)}
+    meta = {"seed": seed, "tol": tol, "train_prompts": train_prompts, "k": k, "steps": steps, "lr": lr,
+            "temperatures": list(temperatures), "runs": results, "seconds": round(time.perf_counter() - start, 1),
+            "command": f"python -m kernels.rl.rft --temperature --seeds {seed}"}
+    if out_dir is not None:
+        (out_dir / f"seed{seed}-temperature.json").write_text(json.dumps(meta) + "\n")
+    return meta
+
+
+def _distinct_per_prompt(kept: list[tuple[int, int, str]], pairs: torch.Tensor) -> list[int]:
+    """How many distinct accepted answers each of ``pairs`` (P, 2) has among ``kept`` (distinct-filtered)."""
+    n = {}
+    for a, b, _ in kept:
+        n[(a, b)] = n.get((a, b), 0) + 1
+    return [n.get((a, b), 0) for a, b in pairs.tolist()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.rl.rft", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
+    p.add_argument("--round2", action="store_true", help="one more round from each seed's RFT model (second_round)")
+    p.add_argument("--temperature", action="store_true", help="the rft arm collected at TEMPERATURES")
     args = p.parse_args(argv)
-    meta = run(args.out)
-    print({m: (r["greedy_accuracy"], sum(r["c"])) for m, r in meta["models"].items()}, meta["seconds"])
+    for seed in args.seeds if args.temperature else ():
+        meta = collect_temperature(args.out, seed=seed)
+        print(seed, {t: sum(r["c"]) for t, r in meta["runs"].items()}, meta["seconds"])
+    if args.temperature:
+        return 0
+    for seed in args.seeds if args.round2 else ():
+        meta = second_round(args.out, seed=seed)
+        print(seed, {m: sum(meta[m]["c"]) for m in ("rft", "rft_round2")}, meta["seconds"])
+    for seed in () if args.round2 else args.seeds:
+        meta = run(args.out, seed=seed)
+        print(seed, {m: sum(r["c"]) for m, r in meta["models"].items()}, meta["seconds"])
     return 0
 
 

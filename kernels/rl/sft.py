@@ -39,10 +39,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "models" / "rl"
 
 
-def example(a: int, b: int, *, mask_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs x (L,), targets y (L,)) of one rendered conversation, y_t = x_{t+1}; with
-    ``mask_prompt`` the targets that are still the user's turn (and the assistant marker) are IGNORE."""
-    ids = torch.tensor(task.render(a, b, str(a + b)))
+def example(a: int, b: int, *, mask_prompt: bool = True, answer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs x (L,), targets y (L,)) of one rendered conversation, y_t = x_{t+1}, answering ``answer``
+    (default: the sum); with ``mask_prompt`` the targets that are still the user's turn (and the assistant
+    marker) are IGNORE."""
+    ids = torch.tensor(task.render(a, b, str(a + b) if answer is None else answer))
     x, y = ids[:-1], ids[1:].clone()
     if mask_prompt:
         y[: task.PROMPT_LEN - 1] = IGNORE        # targets 1..PROMPT_LEN-1 are the prompt's own bytes
