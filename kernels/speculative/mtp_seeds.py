@@ -9,11 +9,13 @@ hidden state, and through the trunk the input rows of the tokens it read, but no
 module's input or head). Same steps, batch, schedule and data order per seed as the committed run:
 
     python -m kernels.speculative.mtp_seeds matched:1 sequential:1 detached:1 ...   # models/mtp/seeds/
+    python -m kernels.speculative.mtp_seeds matched:1 sequential:1 --steps 800 --out models/mtp/seeds-800
 """
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 
 import torch
 
@@ -32,9 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("jobs", nargs="+", help="arm:seed, arm in " + ", ".join(ARMS))
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--out", default=str(OUT_DIR), help="folder for the runs (default models/mtp/seeds)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for job in args.jobs:
         arm, seed = job.split(":")
         if arm not in ARMS:
@@ -44,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                                 arms={name: spec}, progress=False)
         res = {k: v for k, v in res.items() if k != "log"}
         res.update(seed=int(seed), command=f"python -m kernels.speculative.mtp_seeds {job} --steps {args.steps} "
-                                           f"--batch {args.batch}")
-        (OUT_DIR / f"{arm}-seed{seed}.json").write_text(json.dumps(res, indent=1) + "\n")
+                                           f"--batch {args.batch}" + (f" --out {args.out}" if out != OUT_DIR else ""))
+        (out / f"{arm}-seed{seed}.json").write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res))
     return 0
 
