@@ -257,3 +257,13 @@ def test_cuda_quantizer_compiles_to_the_two_conversions():
         assert "cvt.rp.satfinite.ue8m0x2.f32" in b.ptx and "cvt.rn.satfinite.e2m1x2.f32" in b.ptx
     with pytest.raises(ki.CompileError):                                   # Hopper has neither instruction
         ki.compile_cuda("mxfp4_quantize", arch="sm90a")
+
+
+def test_decode_launch_on_other_gpus_has_no_tensor_core_and_no_spills():
+    # what mx_matmul launches on Hopper and Ampere: the DECODE path at DECODE_TILE, fp32 FMAs on CUDA cores
+    from kernels import inspect as ki
+    jobs = [mx.launch_job(4096, 14336, 4096, fmt, decode=True, target="sm90") for fmt in mx.MATMUL_FORMATS]
+    for job, bb in zip(jobs, ki.compile_triton_many(jobs, archs=("sm80", "sm90"))):
+        assert job.constexprs["DECODE"] and job.num_warps == mx.DECODE_TILE[3]
+        for arch, b in bb.items():
+            assert b.spills == 0 and b.tensor_core == "-", (arch, b.spills, b.tensor_core)

@@ -348,6 +348,7 @@ def _mx_matmul_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, alpha_ptr, M, N, K, K
 
 
 GPU_TILE = (128, 128, 128, 4)      # (BLOCK_M, BLOCK_N, BLOCK_K, warps): spill-free on sm100a (compile_jobs)
+DECODE_TILE = (64, 64, 64, 4)      # the DECODE path on a GPU: spill-free on sm80 and sm90a (at GPU_TILE it spills heavily)
 CPU_TILE = (32, 32, 64, 4)
 GPU_STAGES = {10: 3, 12: 2, 9: 3}  # by compute capability (others: 3); sm120's MXFP8 spills at 3 stages
 NATIVE_MAJORS = (10, 12)           # compute capabilities whose tensor cores take block scales
@@ -406,8 +407,8 @@ def mx_matmul(a: tuple, b: tuple, fmt: str, *, tile=None, _broken: bool = False)
     native = major in NATIVE_MAJORS
     alpha = (a[2] * b[2]).reshape(1) if fmt == "nvfp4" else torch.ones(1, device=a[0].device)
     c = torch.empty((M, N), dtype=torch.float32, device=a[0].device)
-    grid, args, kwargs = _launch_args(a, b, c, alpha, fmt, tile=tile or (GPU_TILE if rt.on_gpu else CPU_TILE),
-                                      decode=not native, broken=_broken,
+    default = (GPU_TILE if native else DECODE_TILE) if rt.on_gpu else CPU_TILE
+    grid, args, kwargs = _launch_args(a, b, c, alpha, fmt, tile=tile or default, decode=not native, broken=_broken,
                                       num_stages=GPU_STAGES.get(major, 3) if rt.on_gpu else 1)
     _mx_matmul_kernel[grid](*args, **kwargs)
     return c
@@ -420,19 +421,22 @@ def mx_matmul(a: tuple, b: tuple, fmt: str, *, tile=None, _broken: bool = False)
 REAL_SHAPES = (("Llama-3-8B gate/up prefill", 4096, 14336, 4096), ("Llama-3-8B down prefill", 4096, 4096, 14336))
 
 
-def launch_job(M: int, N: int, K: int, fmt: str, *, tile=GPU_TILE, num_stages: int | None = None, target="sm100",
-               _element_mask: bool = False):
-    """The job of a native (``tl.dot_scaled``) launch of :func:`mx_matmul` at (M, N, K) on meta tensors;
-    ``_element_mask`` compiles the broken mask that loads packed operands byte by byte."""
+def launch_job(M: int, N: int, K: int, fmt: str, *, tile=None, num_stages: int | None = None, target="sm100",
+               decode: bool = False, _element_mask: bool = False):
+    """The job of a launch of :func:`mx_matmul` at (M, N, K) on meta tensors: the native (``tl.dot_scaled``)
+    one that compute capability 10 and 12 make, or with ``decode`` the DECODE one that every other GPU makes
+    (with :data:`DECODE_TILE`); ``_element_mask`` compiles the broken mask that loads packed operands byte
+    by byte."""
     from kernels import inspect as ki
 
+    tile = tile or (DECODE_TILE if decode else GPU_TILE)
     num_stages = GPU_STAGES[ki.parse_arch(target).capability // 10] if num_stages is None else num_stages
     pack, vec = (1 if fmt == "mxfp8" else 2), FORMATS[fmt][1]
     sdtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
     a = (torch.empty(M, K // pack, dtype=torch.uint8, device="meta"), torch.empty(M, K // vec, dtype=sdtype, device="meta"))
     b = (torch.empty(N, K // pack, dtype=torch.uint8, device="meta"), torch.empty(N, K // vec, dtype=sdtype, device="meta"))
     c = torch.empty(M, N, dtype=torch.float32, device="meta")
-    grid, args, kwargs = _launch_args(a, b, c, torch.empty(1, device="meta"), fmt, tile=tile, decode=False,
+    grid, args, kwargs = _launch_args(a, b, c, torch.empty(1, device="meta"), fmt, tile=tile, decode=decode,
                                       num_stages=num_stages, element_mask=_element_mask)
     return ki.launch_job(_mx_matmul_kernel, *args, target=target, grid=grid, **kwargs)
 
