@@ -103,3 +103,50 @@ def test_committed_pairs_are_labelled_by_the_verifier_and_the_dpo_run_reproduces
     for got, want in zip(rerun[1:3], log[1:3]):
         for key in ("loss", "chosen_logratio", "rejected_logratio"):
             assert abs(got[key] - want[key]) < 1e-3 * max(1.0, abs(want[key]))
+
+
+def test_kto_unpaired_is_half_the_paired_kernel_on_a_balanced_batch_and_weights_matter():
+    from kernels.rl.preference import kto_unpaired_loss
+
+    pc, pr, qc, qr, _, _ = _pairs(37)
+    r = torch.cat([pc - qc, pr - qr])
+    good = torch.tensor([True] * 37 + [False] * 37)
+    assert_close(2 * kto_unpaired_loss(r, good), preference_loss("kto", pc, pr, qc, qr), name="kto unpaired")
+    rr = r.clone().requires_grad_()
+    kto_unpaired_loss(rr, good, lam_d=3.0).backward()
+    g3 = rr.grad.clone()
+    rr.grad = None
+    kto_unpaired_loss(rr, good).backward()
+    assert torch.allclose(g3[:37], 3 * rr.grad[:37]) and torch.equal(g3[37:], rr.grad[37:])   # lam_D scales only D
+    with pytest.raises(ValueError, match="bool"):
+        kto_unpaired_loss(r, good.float())
+    with pytest.raises(ValueError, match="must be > 0"):
+        kto_unpaired_loss(r, good, lam_u=0.0)
+
+
+def test_unpaired_data_holds_the_committed_pairs_and_the_kto_run_reproduces():
+    import json
+
+    from kernels.rl import sft, task
+    from kernels.rl.preference import build_unpaired, train_kto_unpaired
+
+    threads = torch.get_num_threads()
+    try:
+        train_pairs, _ = task.split_pairs()
+        data = build_unpaired(sft.load_sft(), train_pairs[:1024], 8, torch.Generator().manual_seed(0))
+        pairs = torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")
+        ok = data["desirable"].view(1024, 8)
+        rows = (ok.any(1) & ~ok.all(1)).nonzero().squeeze(1)
+        comp = data["completions"].view(1024, 8, -1)
+        assert torch.equal(comp[rows, ok[rows].float().argmax(1)], pairs["chosen"])
+        assert torch.equal(comp[rows, (~ok[rows]).float().argmax(1)], pairs["rejected"])
+        meta = json.loads((sft.OUT_DIR / "dpo" / "kto-unpaired" / "metrics.json").read_text())
+        assert meta["desirable"] == int(data["desirable"].sum()) and meta["completions"] == len(data["desirable"])
+        log = sft.read_log(sft.OUT_DIR / "dpo" / "kto-unpaired" / "kto-seed0.csv")
+        rerun = train_kto_unpaired(data, steps=meta["steps"], batch=meta["batch"], lr=meta["lr"], beta=meta["beta"],
+                                   lam_d=meta["lam_d"], lam_u=meta["lam_u"], progress=False, stop_after=2)["log"]
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(rerun[1:3], log[1:3]):
+        for key in ("loss", "desirable_logratio", "undesirable_logratio"):
+            assert abs(got[key] - want[key]) < 1e-3 * max(1.0, abs(want[key]))

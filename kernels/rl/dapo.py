@@ -532,7 +532,9 @@ def train_arm(arm: str, out_dir: Path | None, *, steps: int = STEPS, prompts_per
                                                 group_size=group_size, inner_steps=inner_steps, lr=lr, warmup=warmup,
                                                 max_rounds=max_rounds, l_max=L_MAX, l_cache=L_CACHE, seed=seed,
                                                 threads=threads, train_seconds=seconds, torch=torch.__version__,
-                                                command=f"python -m kernels.rl.dapo --arms {arm} --seeds {seed}"),
+                                                command=f"python -m kernels.rl.dapo --arms {arm} --seeds {seed}"
+                                                + (f" --prompts {prompts_per_step} --steps {steps}"
+                                                   if (prompts_per_step, steps) != (PROMPTS, STEPS) else "")),
                      checkpoint=False)
     return {"log": log, "model": policy, "seconds": seconds}
 
@@ -562,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     p.add_argument("--sweep", action="store_true", help="the baseline's learning-rate sweep instead of the arms")
     p.add_argument("--out", type=Path, default=OUT_DIR)
+    p.add_argument("--prompts", type=int, default=PROMPTS, help="training prompts per step (8 answers each)")
+    p.add_argument("--steps", type=int, default=STEPS)
     args = p.parse_args(argv)
     if args.sweep:
         for seed in args.seeds:
@@ -569,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for arm in args.arms:
         for seed in args.seeds:
-            train_arm(arm, args.out / arm / f"seed{seed}", seed=seed, progress=False)
+            train_arm(arm, args.out / arm / f"seed{seed}", seed=seed, prompts_per_step=args.prompts, steps=args.steps,
+                      progress=False)
             print(arm, seed, json.loads((args.out / arm / f"seed{seed}" / "metrics.json").read_text())["held_out_accuracy"],
                   flush=True)
     return 0

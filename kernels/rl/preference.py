@@ -17,7 +17,9 @@ over pairs. Broken variants for the tests: USE_REF=False drops the reference log
 NORMALIZE=False makes SimPO use summed instead of length-averaged log-probs.
 
 ``python -m kernels.rl.preference`` builds pairs from the SFT model's own samples (the verifier of
-kernels.rl.task labels them) and trains DPO, IPO and SimPO on them: models/rl/dpo/.
+kernels.rl.task labels them) and trains DPO, IPO and SimPO on them: models/rl/dpo/. With ``--kto-unpaired`` it
+trains KTO on every sampled answer alone (``kto_unpaired_loss``: desirable or undesirable, weights lambda_D and
+lambda_U, no pairs), three seeds, and DPO at seeds 1 and 2 beside seed 0: models/rl/dpo/kto-unpaired/.
 """
 from __future__ import annotations
 
@@ -176,6 +178,23 @@ def preference_loss(kind, pc, pr, qc, qr, lc=None, lr=None, *, beta=0.1, gamma=0
     return _PreferenceLoss.apply(pc, pr, t, opts, {"USE_REF": bool(use_ref), "NORMALIZE": bool(normalize)})
 
 
+def kto_unpaired_loss(logratio, desirable, *, beta=0.1, lam_d=1.0, lam_u=1.0):
+    """KTO on single completions, no pairs (Ethayarajh et al. 2024; TRL 1.16 KTOTrainer._compute_loss):
+    the mean over the batch of lam_D (1 - sigma(beta (r - z0))) for a desirable completion and
+    lam_U (1 - sigma(beta (z0 - r))) for an undesirable one, r = log pi/pi_ref summed over the completion (N,),
+    desirable (N,) bool, z0 = max(0, mean r of the batch), detached (the reference point of the kernel's KTO).
+    On a batch of P desirable and P undesirable completions with lam_D = lam_U = 1 it is half the kernel's
+    paired KTO loss over those P pairs (tests/test_preference.py); the weights are what pairs cannot express."""
+    if logratio.dim() != 1 or desirable.shape != logratio.shape or desirable.dtype != torch.bool:
+        raise ValueError("kto_unpaired_loss: logratio (N,) float and desirable (N,) bool of the same shape")
+    if not (beta > 0 and lam_d > 0 and lam_u > 0):
+        raise ValueError(f"kto_unpaired_loss: beta, lam_d, lam_u must be > 0, got {beta}, {lam_d}, {lam_u}")
+    z0 = logratio.detach().mean().clamp_min(0.0)
+    good = lam_d * (1 - torch.sigmoid(beta * (logratio - z0)))                 # desirable: pull r above z0
+    bad = lam_u * (1 - torch.sigmoid(beta * (z0 - logratio)))                  # undesirable: push r below z0
+    return torch.where(desirable, good, bad).mean()
+
+
 # ---------------------------------------------------------------- pairs from the model's own samples, and the runs
 
 def build_pairs(model, prompts_pairs: torch.Tensor, group_size: int, gen: torch.Generator) -> dict:
@@ -192,6 +211,17 @@ def build_pairs(model, prompts_pairs: torch.Tensor, group_size: int, gen: torch.
     chosen = comp[base + ok[rows].argmax(1)]
     rejected = comp[base + (1 - ok[rows]).argmax(1)]
     return {"pairs": prompts_pairs[rows], "chosen": chosen, "rejected": rejected}
+
+
+def build_unpaired(model, prompts_pairs: torch.Tensor, group_size: int, gen: torch.Generator) -> dict:
+    """Every sampled answer alone, labelled desirable (right) or undesirable (wrong) by the verifier: KTO's data.
+    Drawn exactly as :func:`build_pairs` draws (same generator, same calls), so with the same seed its
+    completions are the ones the pairs were taken from, and the groups with no pair are kept too."""
+    from kernels.rl import task
+
+    rep = prompts_pairs.repeat_interleave(group_size, 0)
+    comp = task.sample(model, rep, temperature=1.0, generator=gen)
+    return {"pairs": rep, "completions": comp, "desirable": task.rewards(comp, rep) == 1}
 
 
 def sequence_logprobs(model, completions: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +271,88 @@ def train_preference(kind: str, data: dict, *, steps: int = 60, batch: int = 32,
     return {"log": log}
 
 
+KTO_UNPAIRED = {"beta": 0.1, "batch": 64, "steps": 120, "lr": 1e-5, "seeds": (0, 1, 2)}
+
+
+def train_kto_unpaired(data: dict, *, steps: int = 120, batch: int = 64, lr: float = 1e-5, beta: float = 0.1,
+                       lam_d: float = 1.0, lam_u: float = 1.0, seed: int = 0, eval_every: int = 20,
+                       progress: bool = True, stop_after: int | None = None) -> dict:
+    """KTO from the SFT checkpoint on single labelled completions (:func:`build_unpaired`): each step draws
+    ``batch`` completions at random, whatever their prompt; returns {"log"}. The batch of 64 completions is
+    the forward/backward work of DPO's batch of 32 pairs."""
+    from tqdm import tqdm
+
+    from kernels.rl import sft, task
+
+    policy, reference = sft.policy_and_reference(seed, 1)
+    _, held_out = task.split_pairs()
+    with torch.no_grad():
+        q_all, _ = sequence_logprobs(reference, data["completions"], data["pairs"])
+    gen = torch.Generator().manual_seed(seed)
+    opt = sft.adamw(policy.parameters(), lr)
+    log = [{"step": 0, "loss": "", "desirable_logratio": 0.0, "undesirable_logratio": 0.0,
+            "held_out_accuracy": task.accuracy(policy, held_out)}]
+    for step in tqdm(range(1, (stop_after or steps) + 1), desc="kto", disable=not progress):
+        idx = torch.randint(0, len(data["pairs"]), (batch,), generator=gen)
+        p, _ = sequence_logprobs(policy, data["completions"][idx], data["pairs"][idx])
+        r, good = p - q_all[idx], data["desirable"][idx]
+        loss = kto_unpaired_loss(r, good, beta=beta, lam_d=lam_d, lam_u=lam_u)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        r = r.detach()
+        row = {"step": step, "loss": round(float(loss.detach()), 5),
+               "desirable_logratio": round(float(r[good].mean()), 5) if bool(good.any()) else "",
+               "undesirable_logratio": round(float(r[~good].mean()), 5) if bool((~good).any()) else "",
+               "held_out_accuracy": ""}
+        if step % eval_every == 0 or step == steps:
+            row["held_out_accuracy"] = task.accuracy(policy, held_out)
+        log.append(row)
+    return {"log": log}
+
+
+def run_kto_unpaired() -> dict:
+    """python -m kernels.rl.preference --kto-unpaired: KTO on every sampled answer (unpaired), three seeds, and
+    DPO at seeds 1 and 2 beside the committed seed 0; writes models/rl/dpo/kto-unpaired/."""
+    import csv
+    import json
+    import time
+
+    from kernels.rl import sft, task
+
+    torch.set_num_threads(1)
+    out = sft.OUT_DIR / "dpo" / "kto-unpaired"
+    out.mkdir(parents=True, exist_ok=True)
+    train_pairs, _ = task.split_pairs()
+    data = build_unpaired(sft.load_sft(), train_pairs[:1024], 8, torch.Generator().manual_seed(0))
+    n_d = int(data["desirable"].sum())
+    n_u = len(data["desirable"]) - n_d
+    cfg = dict(KTO_UNPAIRED, lam_d=round(n_u / n_d, 4), lam_u=1.0)           # lam_D n_D / (lam_U n_U) = 1
+    meta = {"completions": len(data["desirable"]), "desirable": n_d, "undesirable": n_u, **cfg,
+            "torch": torch.__version__, "command": "python -m kernels.rl.preference --kto-unpaired"}
+
+    def write(name, log):
+        with open(out / name, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(log[0]))
+            writer.writeheader()
+            writer.writerows(log)
+
+    pairs = torch.load(sft.OUT_DIR / "dpo" / "pairs.pt")
+    dpo_meta = json.loads((sft.OUT_DIR / "dpo" / "metrics.json").read_text())
+    for seed in cfg["seeds"]:
+        start = time.perf_counter()
+        log = train_kto_unpaired(data, steps=cfg["steps"], batch=cfg["batch"], lr=cfg["lr"], beta=cfg["beta"],
+                                 lam_d=cfg["lam_d"], lam_u=cfg["lam_u"], seed=seed, progress=False)["log"]
+        write(f"kto-seed{seed}.csv", log)
+        meta[f"kto_seed{seed}_seconds"] = round(time.perf_counter() - start, 1)
+        if seed != 0:                                                          # DPO seed 0 is models/rl/dpo/dpo.csv
+            write(f"dpo-seed{seed}.csv", train_preference("dpo", pairs, steps=dpo_meta["steps"], lr=dpo_meta["lr"],
+                                                          seed=seed, progress=False)["log"])
+    (out / "metrics.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m kernels.rl.preference: pairs from the SFT model's samples, then DPO, IPO and SimPO runs on them;
     writes models/rl/dpo/{pairs.pt, <kind>.csv, metrics.json}."""
@@ -254,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.rl.preference")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--kto-unpaired", action="store_true", help="KTO on unpaired answers (three seeds) and DPO seeds 1, 2")
     args = p.parse_args(argv)
+    if args.kto_unpaired:
+        print(run_kto_unpaired())
+        return 0
     out = sft.OUT_DIR / "dpo"
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
