@@ -272,6 +272,10 @@ class TritonJob:
     attrs: dict[str, list] | None = None
     options: dict = field(default_factory=dict)  # further launch options (maxnreg, num_ctas ...)
     grid: tuple[int, ...] | None = None  # the launch's grid, when launch_job was told it
+    # The architectures ("sm80", "sm90", "sm100") whose launcher really builds this job; None: all. A
+    # module that takes another path on some GPUs says so, and the compiler page does not show those
+    # builds as launches.
+    launched_on: tuple[str, ...] | None = None
 
     @property
     def programs(self) -> int | None:

@@ -81,3 +81,20 @@ def test_modules_without_compile_jobs_and_kernels_without_a_job_are_listed():
     assert "Kernels of this module with no job: `_matmul_no_k_mask_kernel`." in page
     assert "| sm90a |" in page and "HGMMA" in page
     assert isinstance(matmul, types.ModuleType)
+
+
+def test_a_generation_that_does_not_launch_a_job_shows_no_facts_for_it():
+    """microscaling's native kernel runs on Blackwell only (other GPUs take its DECODE path): its sm80 and
+    sm90a builds are compiled but must not read as launches. A page that printed them (the spills of a
+    build no GPU makes) is caught: the sm100a row keeps its facts, the others say "not a launch"."""
+    from kernels.quant import microscaling as mx
+
+    label, job = next(iter(mx.compile_jobs().items()))
+    assert job.launched_on == ("sm100", "sm120")
+    entry = cp.ModuleEntry("kernels.quant.microscaling", [], {label: job}, True)
+    fact = {"regs": 1, "spills": 12345, "smem": 0, "stages": 3, "LDGSTS": 0, "UTMALDG": 0, "tensor_core": "-"}
+    page = cp.render([entry], {"key": {a: fact for a in cp.ARCHS}}, keys={(entry.name, label): "key"})
+    rows = {arch: next(line for line in page.splitlines() if f"| {arch} |" in line) for arch in ("sm80", "sm90a", "sm100a")}
+    assert "12345" in rows["sm100a"] and "not a launch" not in rows["sm100a"]
+    for arch in ("sm80", "sm90a"):
+        assert "not a launch" in rows[arch] and "12345" not in rows[arch], rows[arch]

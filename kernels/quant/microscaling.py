@@ -442,9 +442,13 @@ def launch_job(M: int, N: int, K: int, fmt: str, *, tile=None, num_stages: int |
 
 
 def compile_jobs(target: str = "sm100", shapes=REAL_SHAPES) -> dict:
-    """The native launch in each format at :data:`REAL_SHAPES`, with ``target``'s stage count."""
-    return {f"{label}, {fmt}": launch_job(M, N, K, fmt, target=target) for label, M, N, K in shapes
+    """The native launch in each format at :data:`REAL_SHAPES`, with ``target``'s stage count. Only
+    Blackwell (sm100, sm120) launches it; other GPUs run the DECODE path (:data:`DECODE_TILE`)."""
+    jobs = {f"{label}, {fmt}": launch_job(M, N, K, fmt, target=target) for label, M, N, K in shapes
             for fmt in MATMUL_FORMATS}
+    for job in jobs.values():
+        job.launched_on = ("sm100", "sm120")
+    return jobs
 
 
 _BLOCK_SCALED = re.compile(r"(?:tcgen05\.mma\.cta_group::\d|mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col)"
