@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.inspect import compile_triton_many, param_product_widths
-from kernels.rl import rft, task
+from kernels.rl import rft, sft, task
 from kernels.rl.rft import pass_at_k, pass_at_k_exact, pass_at_k_ref
 from kernels.testing import MismatchError, assert_close, nan_canary
 
@@ -115,6 +115,41 @@ def test_committed_run_reproduces_its_first_samples(seed):
     for a, b, _ in got["kept"]:
         n[(a, b)] = n.get((a, b), 0) + 1
     assert list(n.values()) == [d for d in meta["collect"]["distinct_per_prompt"][:125] if d]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_committed_temperature_runs_reproduce_their_first_samples(seed):
+    """rft.collect_temperature's collection at each temperature: its first 125 prompts re-sampled from the SFT
+    model with the run's generator give the stored per-prompt counts and distinct kept strings exactly."""
+    meta = json.loads((rft.OUT / f"seed{seed}-temperature.json").read_text())
+    pool = task.split_pairs()[0][:meta["train_prompts"]][:125]
+    base = sft.load_sft()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for t in meta["temperatures"]:
+            got = rft.sample_groups(base, pool, meta["k"], torch.Generator().manual_seed(seed), tol=meta["tol"],
+                                    temperature=t)
+            want = meta["runs"][str(t)]["collect"]
+            assert got["c"] == want["c"][:125], t
+            assert rft._distinct_per_prompt(got["kept"], pool) == want["distinct_per_prompt"][:125], t
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_committed_second_round_reproduces_its_first_samples():
+    """rft.second_round, seed 0: the round-1 model rebuilt (whole collection, 60 fine-tuning steps) samples the
+    first 125 training prompts of round 2's collection with the stored counts and distinct kept strings."""
+    meta = json.loads((rft.OUT / "seed0-round2.json").read_text())
+    threads = torch.get_num_threads()
+    try:
+        got = rft.second_round(None, tol=meta["tol"], train_prompts=meta["train_prompts"], k=meta["k"],
+                               steps=meta["steps"], lr=meta["lr"], seed=0, progress=False, stop_after_collect=125)
+    finally:
+        torch.set_num_threads(threads)
+    pool = task.split_pairs()[0][:125]
+    assert got["c"] == meta["collect"]["c"][:125]
+    assert rft._distinct_per_prompt(got["kept"], pool) == meta["collect"]["distinct_per_prompt"][:125]
 
 
 @pytest.fixture(scope="module")

@@ -293,11 +293,14 @@ def run(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int 
 
 
 def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int = 8, eval_prompts: int = 100,
-                 n_eval: int = 32, steps: int = 60, lr: float = 3e-4, seed: int = 0, progress: bool = True) -> dict:
+                 n_eval: int = 32, steps: int = 60, lr: float = 3e-4, seed: int = 0, progress: bool = True,
+                 stop_after_collect: int | None = None) -> dict:
     """One more round of the loop (STaR, ReST-EM): rebuild :func:`run`'s ``rft`` model (same seed: the same
     samples and batches, so its held-out counts must equal the stored ones), sample the same training prompts
     from it, keep the distinct accepted strings, fine-tune the SFT model on them (both papers restart each
-    round from the base model) and evaluate as :func:`run` does. Writes out_dir/seed{seed}-round2.json."""
+    round from the base model) and evaluate as :func:`run` does. Writes out_dir/seed{seed}-round2.json.
+    ``stop_after_collect`` builds the round-1 model, samples only that many training prompts from it and returns
+    that collection (a slice for the test)."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -308,7 +311,10 @@ def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600
     results, sampler = {}, None
     for name, gen_seed in (("rft", seed), ("rft_round2", seed + 3)):
         if sampler is not None:                                           # round 2: the round-1 model samples
-            col = sample_groups(sampler, pool, k, torch.Generator().manual_seed(gen_seed), tol=tol)
+            col = sample_groups(sampler, pool[:stop_after_collect] if stop_after_collect else pool, k,
+                                torch.Generator().manual_seed(gen_seed), tol=tol)
+            if stop_after_collect:
+                return col
             kept = col["kept"]
             results["collect"] = {"c": col["c"], "kept_distinct": len(kept), "kept_every": len(col["every"]),
                                   "distinct_per_prompt": _distinct_per_prompt(kept, pool)}
@@ -316,6 +322,9 @@ def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600
         finetune(model, kept, steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed + 1),
                  desc=f"fine-tune {name}" if progress else None)
         model.eval()
+        if stop_after_collect:                                            # the test needs only the round-1 model
+            sampler = model
+            continue
         ev = sample_groups(model, held_out, n_eval, torch.Generator().manual_seed(seed + 2), tol=tol)
         results[name] = {"examples": len(kept), "c": ev["c"], "first": ev["first"],
                          "distinct_per_prompt": _distinct_per_prompt(ev["kept"], held_out)}
