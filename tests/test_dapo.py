@@ -227,18 +227,18 @@ def test_sm90_builds_at_real_size_do_not_spill():
 
 
 def test_committed_runs_reproduce_their_first_step():
-    for arm in ("gspo", "aspo", "dapo"):                # the sequence-ratio and ASPO kernels, and DAPO's switches, in a real step
+    for arm in ("gspo", "aspo", "dapo", "batch64/dapo"):  # the sequence-ratio and ASPO kernels, DAPO's switches, DAPO at 64 prompts
         run = dapo.OUT_DIR / arm / "seed0"
         meta = json.loads((run / "metrics.json").read_text())
         want = sft.read_log(run / "log.csv")[1]                                # row 0 is the step-0 evaluation
         threads = torch.get_num_threads()
         try:
-            got = dapo.train_arm(arm, None, steps=meta["steps"], prompts_per_step=meta["prompts_per_step"],
+            got = dapo.train_arm(meta["arm"], None, steps=meta["steps"], prompts_per_step=meta["prompts_per_step"],
                                  lr=meta["lr"], warmup=meta["warmup"], seed=meta["seed"], progress=False,
                                  stop_after=1)["log"][1]
         finally:
             torch.set_num_threads(threads)
-        assert got["reward"] == want["reward"], arm
+        assert got["reward"] == want["reward"] and got["prompts_drawn"] == want["prompts_drawn"], arm
         assert abs(got["kl"] - want["kl"]) < 1e-3 * max(1.0, want["kl"]) + 1e-5, arm
         assert abs(got["clip_fraction"] - want["clip_fraction"]) < 0.02, arm
 
