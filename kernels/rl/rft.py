@@ -243,17 +243,23 @@ def finetune(model, examples: list[tuple[int, int, str]], *, steps: int, lr: flo
 SEEDS = (0, 1, 2)
 
 
+def _seeded_start(seed: int, train_prompts: int, eval_prompts: int, threads: int = 1):
+    """What every run starts from: the seed, the SFT model, the first ``train_prompts`` training prompts and
+    the first ``eval_prompts`` held-out ones."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    base = sft.load_sft()
+    train_pairs, held_out = task.split_pairs()
+    return base, train_pairs[:train_prompts], held_out[:eval_prompts]
+
+
 def run(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600, k: int = 8, eval_prompts: int = 100,
         n_eval: int = 32, steps: int = 60, lr: float = 3e-4, seed: int = 0, threads: int = 1, progress: bool = True,
         stop_after_collect: int | None = None) -> dict:
     """One seed of the committed run (see the module docstring); writes out_dir/seed{seed}.json.
     ``stop_after_collect`` samples only that many training prompts and returns (a slice for the test)."""
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
     start = time.perf_counter()
-    base = sft.load_sft()
-    train_pairs, held_out = task.split_pairs()
-    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    base, pool, held_out = _seeded_start(seed, train_prompts, eval_prompts, threads)
     gen = torch.Generator().manual_seed(seed)
     collect = sample_groups(base, pool[:stop_after_collect] if stop_after_collect else pool, k, gen, tol=tol,
                             desc="sample train prompts" if progress else None)
@@ -301,12 +307,8 @@ def second_round(out_dir: Path | None, *, tol: int = 1, train_prompts: int = 600
     round from the base model) and evaluate as :func:`run` does. Writes out_dir/seed{seed}-round2.json.
     ``stop_after_collect`` builds the round-1 model, samples only that many training prompts from it and returns
     that collection (a slice for the test)."""
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)
     start = time.perf_counter()
-    base = sft.load_sft()
-    train_pairs, held_out = task.split_pairs()
-    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    base, pool, held_out = _seeded_start(seed, train_prompts, eval_prompts)
     kept = sample_groups(base, pool, k, torch.Generator().manual_seed(seed), tol=tol)["kept"]
     results, sampler = {}, None
     for name, gen_seed in (("rft", seed), ("rft_round2", seed + 3)):
@@ -346,12 +348,8 @@ def collect_temperature(out_dir: Path | None, *, temperatures=TEMPERATURES, tol:
     """The sampling temperature of the collection as a knob: :func:`run`'s ``rft`` arm with the training prompts
     sampled at each of ``temperatures`` instead of 1 (Yuan et al. sample at 0.7); fine-tuning and evaluation
     (at temperature 1) as in :func:`run`. Writes out_dir/seed{seed}-temperature.json."""
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)
     start = time.perf_counter()
-    base = sft.load_sft()
-    train_pairs, held_out = task.split_pairs()
-    pool, held_out = train_pairs[:train_prompts], held_out[:eval_prompts]
+    base, pool, held_out = _seeded_start(seed, train_prompts, eval_prompts)
     results = {}
     for t in temperatures:
         col = sample_groups(base, pool, k, torch.Generator().manual_seed(seed), tol=tol, temperature=t)
