@@ -227,7 +227,9 @@ def test_sm90_builds_at_real_size_do_not_spill():
 
 
 def test_committed_runs_reproduce_their_first_step():
-    for arm in ("gspo", "aspo", "dapo", "batch64/dapo"):  # the sequence-ratio and ASPO kernels, DAPO's switches, DAPO at 64 prompts
+    # the sequence-ratio and ASPO kernels, DAPO's switches; at 64 prompts: DAPO, GPG's path (no ratio, its advantage),
+    # GSPO's and ASPO's
+    for arm in ("gspo", "aspo", "dapo", "batch64/dapo", "batch64/gpg", "batch64/gspo", "batch64/aspo"):
         run = dapo.OUT_DIR / arm / "seed0"
         meta = json.loads((run / "metrics.json").read_text())
         want = sft.read_log(run / "log.csv")[1]                                # row 0 is the step-0 evaluation
