@@ -61,6 +61,14 @@ def evaluate(model, draft: G.EagleDraft) -> dict:
     return dict(chain_hits=hits, chain_totals=totals, forwards=forwards, tokens=N_NEW * len(PROMPTS))
 
 
+def arm_and_seed(job: str, arms: dict, prog: str) -> tuple[str, int]:
+    """One "arm:seed" job of a training script's command line, the arm checked against ``arms``."""
+    arm, seed = job.split(":")
+    if arm not in arms:
+        raise ValueError(f"{prog}: arm must be one of {tuple(arms)}, got {arm!r}")
+    return arm, int(seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels.speculative.eagle_ablation", description=__doc__.splitlines()[0])
     ap.add_argument("jobs", nargs="+", help="arm:seed, arm in " + ", ".join(ARMS))
@@ -74,15 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     model = load_pretrained()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for job in args.jobs:
-        arm, seed = job.split(":")
-        if arm not in ARMS:
-            raise ValueError(f"eagle_ablation: arm must be one of {tuple(ARMS)}, got {arm!r}")
+        arm, seed = arm_and_seed(job, ARMS, "eagle_ablation")
         t0 = time.perf_counter()
-        draft, _ = G.train_draft(model, args.steps, n_windows=args.windows, batch=args.batch, seed=int(seed),
+        draft, _ = G.train_draft(model, args.steps, n_windows=args.windows, batch=args.batch, seed=seed,
                                  draft_cls=ARMS[arm], progress=False)
         seconds = time.perf_counter() - t0
         torch.save({k: v.detach().clone() for k, v in draft.state_dict().items()}, OUT_DIR / f"{arm}-seed{seed}.pt")
-        result = dict(arm=arm, seed=int(seed), train_seconds=round(seconds, 1),
+        result = dict(arm=arm, seed=seed, train_seconds=round(seconds, 1),
                       command=(f"python -m kernels.speculative.eagle_ablation {job} --steps {args.steps} "
                                f"--batch {args.batch} --windows {args.windows}"),
                       **evaluate(model, draft))

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.speculative import eagle as G, medusa as M
-from kernels.speculative.eagle_ablation import DEPTH, N_NEW, PROMPTS
+from kernels.speculative.eagle_ablation import DEPTH, N_NEW, PROMPTS, arm_and_seed
 
 OUT_DIR = G.MODEL_DIR / "capacity"
 HIDDEN = 227                  # 4 heads x (2 * 128 * 227 + 227 + 128) = 233,868 ~ the EAGLE draft's 233,856
@@ -94,16 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     model = load_pretrained()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for job in args.jobs:
-        arm, seed = job.split(":")
-        if arm not in ARMS:
-            raise ValueError(f"eagle_capacity: arm must be one of {tuple(ARMS)}, got {arm!r}")
+        arm, seed = arm_and_seed(job, ARMS, "eagle_capacity")
         t0 = time.perf_counter()
-        heads, log = M.train_heads(model, STEPS, n_windows=WINDOWS, batch=BATCH, seed=int(seed),
+        heads, log = M.train_heads(model, STEPS, n_windows=WINDOWS, batch=BATCH, seed=seed,
                                    heads_cls=ARMS[arm], progress=False)
         seconds = time.perf_counter() - t0
         heads.eval()
         torch.save({k: v.detach().clone() for k, v in heads.state_dict().items()}, OUT_DIR / f"{arm}-seed{seed}.pt")
-        result = dict(arm=arm, seed=int(seed), parameters=sum(p.numel() for p in heads.parameters()),
+        result = dict(arm=arm, seed=seed, parameters=sum(p.numel() for p in heads.parameters()),
                       train_seconds=round(seconds, 1), first_step_losses=log[0],
                       final_loss=[round(sum(r[k] for r in log[-50:]) / 50, 4) for k in range(heads.n_heads)],
                       command=f"python -m kernels.speculative.eagle_capacity {job}", **evaluate(model, heads))
